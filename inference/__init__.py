@@ -1,0 +1,1 @@
+"""Hearth's inference engine and node. Imports no Django."""

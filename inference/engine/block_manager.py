@@ -1,0 +1,137 @@
+"""KV block allocation with prefix caching.
+
+Blocks are reference counted. A block whose tokens are all computed is registered under its chain
+hash (`block_hash`); when its last user frees it, it joins the free list but stays registered, so a
+later request with the same prefix (and namespace) takes it back instead of recomputing it. The
+free list is in LRU order: allocation evicts the block that was freed longest ago, and a sequence
+frees its blocks tail first, so shared heads outlive private tails.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from inference.engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_hash", "block_id", "ref_count", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: bytes | None = None
+        self.token_ids: tuple[int, ...] | None = None
+
+
+class BlockManager:
+    """Owns the block pool of the paged KV cache and the prefix cache index."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached_blocks: dict[bytes, int] = {}
+        self.prefix_cache_hit_tokens = 0
+        self.prefix_cache_query_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """Every hash the prefix cache can currently serve (for node heartbeats)."""
+        return list(self.cached_blocks)
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached prefix of `seq`, never covering its last token."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        for index, block_hash in enumerate(
+            seq.full_block_hashes(seq.num_tokens - 1, self.block_size)
+        ):
+            block_id = self.cached_blocks.get(block_hash)
+            if block_id is None:
+                break
+            start = index * self.block_size
+            # The hash is strong, but comparing tokens makes a collision harmless.
+            if self.blocks[block_id].token_ids != tuple(seq.token_ids[start : start + self.block_size]):
+                break
+            hits.append(block_id)
+        return hits
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> int:
+        """Free blocks that scheduling `num_new_tokens` more tokens of `seq` would consume."""
+        held = len(seq.block_table) or len(hits)
+        computed = seq.num_computed_tokens or len(hits) * self.block_size
+        new_blocks = max(0, seq.num_blocks_for(computed + num_new_tokens, self.block_size) - held)
+        revived = sum(1 for block_id in hits if self.blocks[block_id].ref_count == 0)
+        return new_blocks + revived
+
+    def admit(self, seq: Sequence, hits: list[int]) -> None:
+        """Give a waiting sequence its prefix-cache hits as its first blocks."""
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
+        seq.block_table = list(hits)
+        seq.num_committed_blocks = len(hits)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = seq.num_computed_tokens
+            self.prefix_cache_hit_tokens += seq.num_computed_tokens
+            self.prefix_cache_query_tokens += seq.num_prompt_tokens
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow the block table to hold `num_new_tokens` more tokens; False if blocks run out."""
+        target = seq.num_blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)
+        missing = target - len(seq.block_table)
+        if missing > len(self.free_block_ids):
+            return False
+        for _ in range(missing):
+            seq.block_table.append(self._take_free_block())
+        return True
+
+    def commit_computed_blocks(self, seq: Sequence) -> None:
+        """Register the blocks of `seq` that became full of computed tokens in the last step."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = seq.full_block_hashes(seq.num_computed_tokens, self.block_size)
+        for index in range(seq.num_committed_blocks, len(hashes)):
+            block_hash = hashes[index]
+            block = self.blocks[seq.block_table[index]]
+            if block.block_hash is not None or block_hash in self.cached_blocks:
+                continue
+            start = index * self.block_size
+            block.block_hash = block_hash
+            block.token_ids = tuple(seq.token_ids[start : start + self.block_size])
+            self.cached_blocks[block_hash] = block.block_id
+        seq.num_committed_blocks = len(hashes)
+
+    def free(self, seq: Sequence) -> None:
+        """Release the blocks of `seq`, tail first, keeping their prefix-cache registration."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+        seq.block_table = []
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            # Evict: the least recently freed cached block is overwritten.
+            if self.cached_blocks.get(block.block_hash) == block_id:
+                del self.cached_blocks[block.block_hash]
+            block.block_hash = None
+            block.token_ids = None
+        block.ref_count = 1
+        return block_id

@@ -1,0 +1,44 @@
+"""Engine settings, with defaults that suit a CPU node."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+@dataclass
+class EngineConfig:
+    """How to run one model.
+
+    `kv_cache_memory_bytes` is the budget the paged KV cache is sized from (blocks of
+    `block_size` tokens); `max_num_batched_tokens` is the per-step token budget that chunked
+    prefill respects; `max_model_len` caps prompt + output (default: the model's own context).
+    """
+
+    model: str = "SmolLM2-135M-Instruct"
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    cache_dir: str | None = None
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.block_size not in (8, 16, 32, 64):
+            raise ValueError(f"block_size must be 8, 16, 32 or 64, got {self.block_size}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be positive")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]

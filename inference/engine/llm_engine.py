@@ -1,0 +1,242 @@
+"""The online engine: add requests, step, abort. One instance serves one model."""
+
+from __future__ import annotations
+
+import time
+
+from inference.engine.block_manager import BlockManager
+from inference.engine.config import EngineConfig
+from inference.engine.detokenizer import IncrementalDetokenizer
+from inference.errors import InvalidRequestError, ModelLoadError
+from inference.engine.kv_cache import num_blocks_for_budget
+from inference.engine.model_runner import ModelRunner
+from inference.engine.outputs import RequestOutput, Timings, TokenLogprob
+from inference.engine.sampling_params import SamplingParams
+from inference.engine.scheduler import Scheduler
+from inference.engine.sequence import Sequence
+from inference.engine.tokenizer import Tokenizer
+from inference.models.loader import resolve_model_directory
+from inference.models.model_config import ModelConfig
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged, prefix-cached KV cache.
+
+    `add_request` queues a tokenized prompt; each `step()` runs one batch and returns a
+    `RequestOutput` for every request that produced text or finished (including requests that
+    were aborted or passed their deadline since the last step).
+    """
+
+    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
+        from pathlib import Path
+
+        from transformers import AutoConfig
+
+        self.config = config or EngineConfig(**overrides)
+        cache_dir = Path(self.config.cache_dir) if self.config.cache_dir else None
+        directory = resolve_model_directory(self.config.model, cache_dir)
+        try:
+            hf_config = AutoConfig.from_pretrained(str(directory))
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot read the config of {directory}: {exc}") from exc
+        self.model_config = ModelConfig.from_hf(hf_config)
+        self.model_directory = directory
+        self.tokenizer = Tokenizer(directory)
+        model_len = self.model_config.max_position_embeddings
+        self.max_model_len = min(self.config.max_model_len or model_len, model_len)
+        num_blocks = num_blocks_for_budget(
+            self.model_config,
+            self.config.torch_dtype,
+            self.config.block_size,
+            self.config.kv_cache_memory_bytes,
+        )
+        if num_blocks < 2:
+            raise ValueError(
+                f"kv_cache_memory_bytes={self.config.kv_cache_memory_bytes} holds {num_blocks} "
+                "blocks; at least 2 are needed"
+            )
+        self.block_manager = BlockManager(
+            num_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, self.config.max_num_batched_tokens, self.config.max_num_seqs
+        )
+        self.runner = ModelRunner(
+            self.config, self.model_config, directory, num_blocks, self.max_model_len
+        )
+        self.sequences: dict[str, Sequence] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.logprobs: dict[str, list[TokenLogprob]] = {}
+        self.stop_token_ids: dict[str, set[int]] = {}
+        self._finished_outside_step: list[Sequence] = []
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        namespace: str = "",
+        deadline: float | None = None,
+    ) -> None:
+        """Queue a request. `namespace` scopes its prefix-cache hits (the org); `deadline` is a
+        wall-clock time (seconds since the epoch) after which it finishes with reason
+        'deadline'. Raises InvalidRequestError for a request that can never be served."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be a SamplingParams", param="params")
+        params.validate()
+        if request_id in self.sequences:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        self._validate_prompt(prompt_token_ids)
+        prompt_len = len(prompt_token_ids)
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise InvalidRequestError(
+                f"the prompt has {prompt_len} tokens but the model's context length is "
+                f"{self.max_model_len}",
+                param="prompt",
+            )
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidRequestError(
+                f"max_tokens={params.max_tokens} cannot fit: the prompt has {prompt_len} tokens "
+                f"and the context length is {self.max_model_len}, leaving room for {room}",
+                param="max_tokens",
+            )
+        max_total = prompt_len + (params.max_tokens or room)
+        blocks = -(-max_total // self.config.block_size)
+        if blocks > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                f"the request needs up to {max_total} tokens of KV cache but this node's cache "
+                f"holds {self.block_manager.num_blocks * self.config.block_size}",
+                param="max_tokens",
+            )
+        seq = Sequence(request_id, prompt_token_ids, params, namespace, deadline)
+        self.sequences[request_id] = seq
+        self.detokenizers[request_id] = IncrementalDetokenizer(
+            self.tokenizer, prompt_token_ids, params.stop
+        )
+        self.logprobs[request_id] = []
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= self.tokenizer.eos_token_ids
+        self.stop_token_ids[request_id] = stops
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; the next `step()` reports it finished with reason 'abort'."""
+        seq = self.sequences.get(request_id)
+        if seq is None or seq.is_finished:
+            return False
+        self.scheduler.finish(seq, "abort")
+        self._finished_outside_step.append(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._finished_outside_step)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- stepping ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return news for every request that has some."""
+        plan = self.scheduler.schedule()
+        outputs = [self._final_output(seq) for seq in self._finished_outside_step + plan.finished]
+        self._finished_outside_step = []
+        if not plan.scheduled:
+            return outputs
+        sampling, token_ids, logprobs = self.runner.run(plan.scheduled)
+        for item in plan.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.commit_computed_blocks(item.seq)
+        now = time.time()
+        for seq, token_id, logprob in zip(sampling, token_ids, logprobs, strict=True):
+            outputs.append(self._append_token(seq, token_id, logprob, now))
+        return outputs
+
+    def _append_token(
+        self, seq: Sequence, token_id: int, logprob: TokenLogprob | None, now: float
+    ) -> RequestOutput:
+        seq.token_ids.append(token_id)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if logprob is not None:
+            self.logprobs[seq.request_id].append(logprob)
+        detokenizer = self.detokenizers[seq.request_id]
+        reason = None
+        if token_id in self.stop_token_ids[seq.request_id]:
+            reason = "stop"
+        else:
+            detokenizer.add_token(token_id)
+            if detokenizer.stopped:
+                reason = "stop"
+        if reason is None and (
+            (seq.params.max_tokens is not None and seq.num_output_tokens >= seq.params.max_tokens)
+            or seq.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            return self._final_output(seq, [token_id], [logprob] if logprob else [])
+        return RequestOutput(
+            request_id=seq.request_id,
+            text=detokenizer.take_delta(final=False),
+            token_ids=[token_id],
+            finished=False,
+            finish_reason=None,
+            prompt_tokens=seq.num_prompt_tokens,
+            cached_tokens=seq.num_cached_tokens or 0,
+            completion_tokens=seq.num_output_tokens,
+            logprobs=[logprob] if logprob else [],
+        )
+
+    def _final_output(
+        self,
+        seq: Sequence,
+        new_token_ids: list[int] | None = None,
+        new_logprobs: list[TokenLogprob] | None = None,
+    ) -> RequestOutput:
+        request_id = seq.request_id
+        text = self.detokenizers[request_id].take_delta(final=True)
+        del self.sequences[request_id], self.detokenizers[request_id]
+        del self.logprobs[request_id], self.stop_token_ids[request_id]
+        return RequestOutput(
+            request_id=request_id,
+            text=text,
+            token_ids=new_token_ids or [],
+            finished=True,
+            finish_reason=seq.finish_reason,
+            prompt_tokens=seq.num_prompt_tokens,
+            cached_tokens=seq.num_cached_tokens or 0,
+            completion_tokens=seq.num_output_tokens,
+            logprobs=new_logprobs or [],
+            timings=_timings(seq),
+        )
+
+    def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})", param="prompt"
+            )
+
+
+def _timings(seq: Sequence) -> Timings:
+    end = seq.finished_time or time.time()
+    timings = Timings(e2e_s=end - seq.arrival_time)
+    if seq.first_scheduled_time is not None:
+        timings.queued_s = seq.first_scheduled_time - seq.arrival_time
+    if seq.first_token_time is not None:
+        timings.ttft_s = seq.first_token_time - seq.arrival_time
+        if seq.num_output_tokens > 1:
+            timings.tpot_s = (end - seq.first_token_time) / (seq.num_output_tokens - 1)
+    return timings

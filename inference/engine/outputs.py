@@ -1,0 +1,56 @@
+"""What the engine reports about a request after each step and at the end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    """The sampled token's log-probability and, if asked, the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class Timings:
+    """Seconds, measured on the engine's clock (wall time)."""
+
+    queued_s: float | None = None
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """One step's news about a request: the new text and tokens, and at the end the totals."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    timings: Timings = field(default_factory=Timings)
+
+
+@dataclass
+class CompletionOutput:
+    """A finished request as the offline `LLM.generate` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    logprobs: list[TokenLogprob]
+    timings: Timings

@@ -1,0 +1,94 @@
+"""A request as the engine tracks it: its tokens, its KV blocks, its progress and its timings."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from inference.engine.block_hash import hash_block
+from inference.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One request. `token_ids` holds the prompt followed by the generated tokens.
+
+    `num_computed_tokens` counts the tokens whose KV is in the cache; when it reaches
+    `num_tokens` after a step, the step sampled a new token. A preempted sequence drops its blocks
+    and starts again from zero, so recompute covers prompt and output alike.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        namespace: str = "",
+        deadline: float | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.namespace = namespace
+        self.deadline = deadline
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.num_committed_blocks = 0
+        self.num_cached_tokens: int | None = None
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def num_blocks_for(self, num_tokens: int, block_size: int) -> int:
+        return -(-num_tokens // block_size)
+
+    def full_block_hashes(self, num_tokens: int, block_size: int) -> list[bytes]:
+        """Hashes of the full blocks among the first `num_tokens` tokens (extends the chain)."""
+        num_full = num_tokens // block_size
+        while len(self.block_hashes) < num_full:
+            index = len(self.block_hashes)
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            chunk = self.token_ids[index * block_size : (index + 1) * block_size]
+            self.block_hashes.append(hash_block(parent, chunk, self.namespace))
+        return self.block_hashes[:num_full]
+
+    def reset_for_recompute(self) -> None:
+        """Forget the KV state after preemption; the tokens themselves are kept."""
+        self.num_computed_tokens = 0
+        self.block_table = []
+        self.num_committed_blocks = 0
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions += 1

@@ -1,0 +1,1 @@
+"""Model implementations and weight loading."""

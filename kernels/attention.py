@@ -1,0 +1,154 @@
+"""Paged KV cache writes and attention over it.
+
+The cache of one layer is a tensor [num_blocks, block_size, num_kv_heads, head_dim]; a sequence's
+tokens live in the blocks its block table lists, token i at slot
+`block_table[i // block_size] * block_size + i % block_size`.
+
+`PagedAttentionBatch` describes one engine step: decoding sequences (one new token each) come
+first in the flattened token dimension and are handled together; sequences that bring several new
+tokens (prefill, chunked prefill, prefill after a prefix-cache hit) follow, each with its own
+causal mask over its cached prefix and its new tokens. It is built once per step and reused by
+every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSegment:
+    """One sequence with several new tokens in the step."""
+
+    query_start: int
+    query_len: int
+    context_len: int  # cached prefix + new tokens
+    slots: torch.Tensor | None  # [context_len] cache slots, None when there is no cached prefix
+    mask: torch.Tensor | None  # [query_len, context_len] bool, None when there is no prefix
+
+
+@dataclass
+class PagedAttentionBatch:
+    """Layout of one step's batch for `paged_attention`."""
+
+    num_decode: int
+    decode_slots: torch.Tensor | None  # [num_decode, max_context] slot per (sequence, position)
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_context] True where attended
+    prefills: list[PrefillSegment]
+
+
+def build_paged_attention_batch(
+    block_tables: list[list[int]],
+    query_lens: list[int],
+    context_lens: list[int],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> PagedAttentionBatch:
+    """Build the step layout. Sequences with query_len == 1 must come first."""
+    num_decode = 0
+    while num_decode < len(query_lens) and query_lens[num_decode] == 1:
+        num_decode += 1
+    decode_slots = decode_mask = None
+    if num_decode:
+        max_context = max(context_lens[:num_decode])
+        max_blocks = -(-max_context // block_size)
+        table = torch.zeros((num_decode, max_blocks), dtype=torch.long)
+        for row, blocks in enumerate(block_tables[:num_decode]):
+            used = blocks[:max_blocks]
+            table[row, : len(used)] = torch.tensor(used, dtype=torch.long)
+        offsets = torch.arange(block_size, dtype=torch.long)
+        decode_slots = (table.unsqueeze(-1) * block_size + offsets).view(num_decode, -1)
+        decode_slots = decode_slots[:, :max_context].contiguous().to(device)
+        lens = torch.tensor(context_lens[:num_decode], dtype=torch.long)
+        decode_mask = (torch.arange(max_context).unsqueeze(0) < lens.unsqueeze(1)).to(device)
+        decode_mask = decode_mask.view(num_decode, 1, 1, max_context)
+    prefills = []
+    start = num_decode
+    for blocks, query_len, context_len in zip(
+        block_tables[num_decode:], query_lens[num_decode:], context_lens[num_decode:], strict=True
+    ):
+        slots = mask = None
+        if context_len > query_len:
+            positions = torch.arange(context_len, dtype=torch.long)
+            table = torch.tensor(blocks, dtype=torch.long)
+            slots = (table[positions // block_size] * block_size + positions % block_size).to(device)
+            prefix = context_len - query_len
+            rows = torch.arange(query_len).unsqueeze(1)
+            mask = (positions.unsqueeze(0) <= rows + prefix).to(device)
+        prefills.append(PrefillSegment(start, query_len, context_len, slots, mask))
+        start += query_len
+    return PagedAttentionBatch(num_decode, decode_slots, decode_mask, prefills)
+
+
+def store_kvcache_torch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write key/value [T, Hk, D] into the caches at `slot_mapping` [T]; slot -1 is skipped."""
+    k_flat = k_cache.view(-1, *k_cache.shape[-2:])
+    v_flat = v_cache.view(-1, *v_cache.shape[-2:])
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    k_flat.index_copy_(0, slot_mapping, key)
+    v_flat.index_copy_(0, slot_mapping, value)
+
+
+def paged_attention_torch(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PagedAttentionBatch,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of query [T, Hq, D] over each sequence's cached context.
+
+    `key`/`value` are this step's new keys and values [T, Hk, D], already written to the cache;
+    a sequence without a cached prefix attends to them directly instead of reading them back.
+    Returns [T, Hq * D].
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty((num_tokens, num_heads * head_dim), dtype=query.dtype, device=query.device)
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+
+    if batch.num_decode:
+        n = batch.num_decode
+        # GQA without copying K/V: the query heads that share a KV head become that head's
+        # "query rows", so K/V stay [n, Hk, L, D].
+        q = query[:n].view(n, num_kv_heads, group, head_dim)
+        slots = batch.decode_slots
+        k = k_flat.index_select(0, slots.view(-1)).view(n, -1, num_kv_heads, head_dim)
+        v = v_flat.index_select(0, slots.view(-1)).view(n, -1, num_kv_heads, head_dim)
+        attn = F.scaled_dot_product_attention(
+            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=batch.decode_mask, scale=scale
+        )
+        out[:n] = attn.reshape(n, num_heads * head_dim)
+
+    for seg in batch.prefills:
+        rows = slice(seg.query_start, seg.query_start + seg.query_len)
+        q = query[rows].transpose(0, 1).unsqueeze(0)
+        if seg.slots is None:
+            k = key[rows].transpose(0, 1).unsqueeze(0)
+            v = value[rows].transpose(0, 1).unsqueeze(0)
+            attn = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, enable_gqa=group > 1
+            )
+        else:
+            k = k_flat.index_select(0, seg.slots).transpose(0, 1).unsqueeze(0)
+            v = v_flat.index_select(0, seg.slots).transpose(0, 1).unsqueeze(0)
+            attn = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=seg.mask, scale=scale, enable_gqa=group > 1
+            )
+        out[rows] = attn[0].transpose(0, 1).reshape(seg.query_len, num_heads * head_dim)
+    return out
