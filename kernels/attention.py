@@ -74,7 +74,9 @@ def build_paged_attention_batch(
         if context_len > query_len:
             positions = torch.arange(context_len, dtype=torch.long)
             table = torch.tensor(blocks, dtype=torch.long)
-            slots = (table[positions // block_size] * block_size + positions % block_size).to(device)
+            slots = (table[positions // block_size] * block_size + positions % block_size).to(
+                device
+            )
             prefix = context_len - query_len
             rows = torch.arange(query_len).unsqueeze(1)
             mask = (positions.unsqueeze(0) <= rows + prefix).to(device)

@@ -6,11 +6,11 @@ Offline: `LLM(model).generate(prompts, SamplingParams(...))`. Online: `LLMEngine
 
 from inference.engine.block_hash import compute_block_hashes
 from inference.engine.config import EngineConfig
-from inference.errors import InvalidRequestError, ModelLoadError
 from inference.engine.llm import LLM
 from inference.engine.llm_engine import LLMEngine
 from inference.engine.outputs import CompletionOutput, RequestOutput
 from inference.engine.sampling_params import SamplingParams
+from inference.errors import InvalidRequestError, ModelLoadError
 
 __all__ = [
     "LLM",

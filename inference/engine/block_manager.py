@@ -61,7 +61,9 @@ class BlockManager:
                 break
             start = index * self.block_size
             # The hash is strong, but comparing tokens makes a collision harmless.
-            if self.blocks[block_id].token_ids != tuple(seq.token_ids[start : start + self.block_size]):
+            if self.blocks[block_id].token_ids != tuple(
+                seq.token_ids[start : start + self.block_size]
+            ):
                 break
             hits.append(block_id)
         return hits

@@ -6,22 +6,29 @@ from dataclasses import dataclass
 
 import torch
 
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
 
 
 @dataclass
 class EngineConfig:
     """How to run one model.
 
-    `kv_cache_memory_bytes` is the budget the paged KV cache is sized from (blocks of
-    `block_size` tokens); `max_num_batched_tokens` is the per-step token budget that chunked
-    prefill respects; `max_model_len` caps prompt + output (default: the model's own context).
+    `kv_cache_memory_bytes` is the budget the paged KV cache is sized from, in blocks of
+    `block_size` tokens (`num_kv_blocks` sets the count directly instead);
+    `max_num_batched_tokens` is the per-step token budget that chunked prefill respects;
+    `max_model_len` caps prompt + output (default: the model's own context).
     """
 
     model: str = "SmolLM2-135M-Instruct"
     dtype: str = "bfloat16"
     block_size: int = 16
     kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    num_kv_blocks: int | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int | None = None

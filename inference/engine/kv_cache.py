@@ -20,6 +20,9 @@ def allocate_kv_cache(
     """Per layer, a key and a value cache of shape [num_blocks, block_size, kv_heads, head_dim]."""
     shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
     return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
         for _ in range(config.num_layers)
     ]

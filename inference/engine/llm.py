@@ -27,9 +27,7 @@ class LLM:
         """Complete every prompt (text, or token ids); results come back in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        token_lists = [
-            self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts
-        ]
+        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         return self._run(token_lists, params, namespace)
 
     def chat(

@@ -7,7 +7,6 @@ import time
 from inference.engine.block_manager import BlockManager
 from inference.engine.config import EngineConfig
 from inference.engine.detokenizer import IncrementalDetokenizer
-from inference.errors import InvalidRequestError, ModelLoadError
 from inference.engine.kv_cache import num_blocks_for_budget
 from inference.engine.model_runner import ModelRunner
 from inference.engine.outputs import RequestOutput, Timings, TokenLogprob
@@ -15,6 +14,7 @@ from inference.engine.sampling_params import SamplingParams
 from inference.engine.scheduler import Scheduler
 from inference.engine.sequence import Sequence
 from inference.engine.tokenizer import Tokenizer
+from inference.errors import InvalidRequestError, ModelLoadError
 from inference.models.loader import resolve_model_directory
 from inference.models.model_config import ModelConfig
 
@@ -44,7 +44,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(directory)
         model_len = self.model_config.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or model_len, model_len)
-        num_blocks = num_blocks_for_budget(
+        num_blocks = self.config.num_kv_blocks or num_blocks_for_budget(
             self.model_config,
             self.config.torch_dtype,
             self.config.block_size,
@@ -223,7 +223,9 @@ class LLMEngine:
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        bad = next(
+            (t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None
+        )
         if bad is not None:
             raise InvalidRequestError(
                 f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})", param="prompt"

@@ -48,7 +48,9 @@ def _filtered_probs(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     return probs
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
+def sample(
+    logits: torch.Tensor, seqs: list[Sequence]
+) -> tuple[list[int], list[TokenLogprob | None]]:
     """Next token of each sequence (rows of float32 `logits` [N, vocab] in order)."""
     processed = logits
     if any(s.params.needs_penalties for s in seqs):

@@ -54,7 +54,8 @@ class SamplingParams:
         """Raise InvalidRequestError naming the first invalid field."""
         checks = [
             (
-                self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+                self.max_tokens is None
+                or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
                 "max_tokens",
                 "must be an integer >= 1",
             ),

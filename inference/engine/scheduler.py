@@ -47,6 +47,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -68,7 +69,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         now = time.time()
         expired = [
-            s for s in (*self.running, *self.waiting) if s.deadline is not None and s.deadline <= now
+            s
+            for s in (*self.running, *self.waiting)
+            if s.deadline is not None and s.deadline <= now
         ]
         for seq in expired:
             self.finish(seq, "deadline")
@@ -100,10 +103,7 @@ class Scheduler:
             budget -= num_new
 
         while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
+            not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
         ):
             seq = self.waiting[0]
             hits = self.block_manager.match_prefix(seq)
@@ -126,6 +126,7 @@ class Scheduler:
         return SchedulerOutput(decodes + prefills, expired, preempted)
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.reset_for_recompute()

@@ -23,7 +23,9 @@ class Tokenizer:
         generation_config = directory / "generation_config.json"
         if generation_config.is_file():
             eos = json.loads(generation_config.read_text()).get("eos_token_id")
-            self.eos_token_ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+            self.eos_token_ids.update(
+                eos if isinstance(eos, list) else [eos] if eos is not None else []
+            )
 
     @property
     def vocab_size(self) -> int:

@@ -32,7 +32,9 @@ class LlamaLayer:
         kv_size = config.num_kv_heads * config.head_dim
         self.input_norm = torch.ones(hidden, dtype=dtype)
         self.qkv_proj = torch.empty(q_size + 2 * kv_size, hidden, dtype=dtype)
-        self.qkv_bias = torch.zeros(q_size + 2 * kv_size, dtype=dtype) if config.attention_bias else None
+        self.qkv_bias = (
+            torch.zeros(q_size + 2 * kv_size, dtype=dtype) if config.attention_bias else None
+        )
         self.q_norm = torch.ones(config.head_dim, dtype=dtype) if config.qk_norm else None
         self.k_norm = torch.ones(config.head_dim, dtype=dtype) if config.qk_norm else None
         self.o_proj = torch.empty(hidden, q_size, dtype=dtype)

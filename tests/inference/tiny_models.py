@@ -1,0 +1,85 @@
+"""Tiny random-weight Llama-family models, built by the tests themselves (nothing downloaded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Prefix caching lets agents reuse long prompts across turns.",
+    "Continuous batching admits new requests while others decode.",
+    "Héllo wörld, naïve café! Ünïcödé ✓ 日本語のテキスト 🚀🔥",
+    "def add(a, b):\n    return a + b\n",
+    "0123456789 + - * / = ( ) [ ] { } < > , . ; : ! ?",
+]
+
+
+def build_tokenizer(directory: Path) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on a few sentences, with ChatML special tokens."""
+    raw = RawTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    raw.train_from_iterator(CORPUS * 20, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.save_pretrained(str(directory))
+    return tokenizer
+
+
+def build_tiny_model(directory: Path, architecture: str = "llama", seed: int = 0) -> Path:
+    """Save a random-weight model of `architecture` (llama, qwen2, qwen3) with a tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(directory)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        # Larger than the default 0.02 so that logits are peaked and greedy choices are not
+        # decided by rounding.
+        initializer_range=0.1,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if architecture == "llama":
+        config = LlamaConfig(**common, tie_word_embeddings=False)
+    elif architecture == "qwen2":
+        config = Qwen2Config(**common, tie_word_embeddings=True)
+    elif architecture == "qwen3":
+        config = Qwen3Config(**common, head_dim=24, tie_word_embeddings=False)
+    else:
+        raise ValueError(architecture)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(directory))
+    return directory
