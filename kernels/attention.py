@@ -9,6 +9,9 @@ first in the flattened token dimension and are handled together; sequences that 
 tokens (prefill, chunked prefill, prefill after a prefix-cache hit) follow, each with its own
 causal mask over its cached prefix and its new tokens. It is built once per step and reused by
 every layer.
+
+Cache slots outside a sequence's context may hold any finite values (stale KV of freed blocks):
+decode attention pads ragged contexts with such slots and masks them out of the softmax.
 """
 
 from __future__ import annotations

@@ -1,0 +1,177 @@
+"""The online and offline APIs: request lifecycle, errors, abort, deadlines, reporting."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from inference.engine import (
+    LLM,
+    EngineConfig,
+    InvalidRequestError,
+    LLMEngine,
+    ModelLoadError,
+    SamplingParams,
+)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    return LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=256))
+
+
+def drain(engine: LLMEngine) -> dict[str, list]:
+    outputs: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    return outputs
+
+
+def test_step_streams_tokens_and_reports_usage_and_timings(engine):
+    engine.add_request(
+        "r1", [5, 6, 7, 8, 9], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    )
+    outs = drain(engine)["r1"]
+    assert [len(o.token_ids) for o in outs] == [1] * 6
+    assert [o.finished for o in outs] == [False] * 5 + [True]
+    final = outs[-1]
+    assert final.finish_reason == "length"
+    assert (final.prompt_tokens, final.completion_tokens, final.cached_tokens) == (5, 6, 0)
+    t = final.timings
+    assert 0 <= t.queued_s <= t.ttft_s <= t.e2e_s and t.tpot_s > 0
+
+
+def test_abort_finishes_the_request_and_frees_its_blocks(engine):
+    free_before = engine.block_manager.num_free_blocks
+    engine.add_request("long", list(range(3, 40)), SamplingParams(max_tokens=100, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.abort("long")
+    outs = engine.step()
+    [final] = [o for o in outs if o.request_id == "long"]
+    assert final.finished and final.finish_reason == "abort"
+    assert final.completion_tokens == 2
+    assert engine.block_manager.num_free_blocks == free_before
+    assert not engine.abort("long")  # already gone
+
+
+def test_deadline_expires_a_waiting_or_running_request(engine):
+    engine.add_request(
+        "late",
+        [3, 4, 5],
+        SamplingParams(max_tokens=50, ignore_eos=True),
+        deadline=time.time() + 0.2,
+    )
+    outs = drain(engine)["late"]
+    assert outs[-1].finish_reason in ("deadline", "length")
+    if outs[-1].finish_reason == "length":
+        pytest.skip("the machine generated 50 tokens within 0.2 s")
+    engine.add_request("dead", [3, 4, 5], SamplingParams(), deadline=time.time() - 1)
+    [final] = drain(engine)["dead"]
+    assert final.finish_reason == "deadline" and final.completion_tokens == 0
+
+
+def test_stop_token_ids_end_generation_with_reason_stop(engine, tiny_llama_dir):
+    [free_run] = LLM(str(tiny_llama_dir), dtype="float32").generate(
+        [[3, 4, 5, 6]], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    )
+    stop_token = free_run.token_ids[3]
+    first = free_run.token_ids.index(stop_token)
+    engine.add_request(
+        "stop",
+        [3, 4, 5, 6],
+        SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_token]),
+    )
+    final = drain(engine)["stop"][-1]
+    assert final.finish_reason == "stop"
+    assert final.completion_tokens == first + 1
+
+
+def test_seeded_sampling_is_reproducible(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32")
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=42, ignore_eos=True)
+    a = llm.generate([[3, 4, 5]], params)[0].token_ids
+    b = llm.generate(
+        [[3, 4, 5], [7, 8, 9, 10]], [params, SamplingParams(temperature=1.0, max_tokens=5)]
+    )[0].token_ids
+    assert a == b
+
+
+def test_logprobs_are_reported_per_token(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32")
+    params = SamplingParams(
+        temperature=0, max_tokens=5, logprobs=True, top_logprobs=2, ignore_eos=True
+    )
+    [result] = llm.generate([[3, 4, 5]], params)
+    assert [lp.token_id for lp in result.logprobs] == result.token_ids
+    for lp in result.logprobs:
+        assert lp.logprob <= 0 and len(lp.top_logprobs) == 2
+        assert lp.top_logprobs[0][0] == lp.token_id  # greedy picks the most likely
+        assert np.isclose(lp.top_logprobs[0][1], lp.logprob)
+
+
+@pytest.mark.parametrize(
+    "prompt,params,param,message",
+    [
+        ([], SamplingParams(), "prompt", "empty"),
+        (list(range(3, 260)), SamplingParams(), "prompt", "context length is 256"),
+        ([3] * 200, SamplingParams(max_tokens=100), "max_tokens", "cannot fit"),
+        ([3, 10**6], SamplingParams(), "prompt", "outside the vocabulary"),
+    ],
+)
+def test_bad_requests_raise_clear_errors(engine, prompt, params, param, message):
+    with pytest.raises(InvalidRequestError) as error:
+        engine.add_request("bad", prompt, params)
+    assert error.value.param == param
+    assert message in str(error.value)
+    assert "bad" not in engine.sequences
+
+
+def test_duplicate_request_ids_are_rejected(engine):
+    engine.add_request("dup", [3, 4], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("dup", [3, 4], SamplingParams(max_tokens=2))
+    drain(engine)
+
+
+def test_unknown_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="not found"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "no-such-model")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "empty")))
+
+
+def test_gguf_of_unsupported_architecture_is_refused(tmp_path):
+    import gguf
+
+    path = tmp_path / "tiny-bert.gguf"
+    writer = gguf.GGUFWriter(str(path), "bert")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="GGUF architecture 'bert' is not supported"):
+        LLMEngine(EngineConfig(model=str(path)))
+
+
+def test_unsupported_hf_architecture_is_refused(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)).save_pretrained(
+        str(tmp_path)
+    )
+    with pytest.raises(ModelLoadError, match="unsupported architecture"):
+        LLMEngine(EngineConfig(model=str(tmp_path)))
+
+
+def test_invalid_engine_settings_are_rejected():
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype="float16x")
+    with pytest.raises(ValueError, match="block_size"):
+        EngineConfig(block_size=7)
