@@ -361,9 +361,9 @@ def engine_sequential(
     tokens: list[list[int]] = []
     total = 0.0
     for prompt in prompts:
-        result, seconds = engine_generate(llm, [prompt], new_tokens, namespace)
-        tokens.extend(result)
-        total += seconds
+        run, outputs = engine_generate(llm, [prompt], new_tokens, namespace)
+        tokens.extend(outputs)
+        total += run.seconds
     return Throughput(sum(len(t) for t in tokens), total), tokens
 
 

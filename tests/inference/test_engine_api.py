@@ -141,7 +141,7 @@ def test_unknown_model_path_is_a_clear_error(tmp_path):
     with pytest.raises(ModelLoadError, match="not found"):
         LLMEngine(EngineConfig(model=str(tmp_path / "no-such-model")))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ModelLoadError, match="no config.json"):
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
         LLMEngine(EngineConfig(model=str(tmp_path / "empty")))
 
 
