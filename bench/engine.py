@@ -8,7 +8,8 @@ Runs SmolLM2-135M-Instruct on CPU, in one process, and measures:
 - `hf_batched_tok_s`: HF `model.generate` (float32) on all 32 prompts as one left-padded batch.
 - `hf_sequential_tok_s`: HF `model.generate` (float32) on the first 4 prompts one at a time.
 - `llamacpp_sequential_tok_s`: llama.cpp (Q4_1 GGUF, 2 threads) on the first 8 prompts one at
-  a time; null when `llama_cpp` is not installed.
+  a time, in a child process, with ggml's AMX path off (it segfaults here); null when
+  `llama_cpp` is not installed or crashes.
 - `cold_ttft_s` / `warm_ttft_s`: time to first token for a ~2,300-token system prompt plus a
   user turn, first on an empty prefix cache, then with another user turn so that only the
   system prefix is shared (`warm_cached_tokens` is how much of it the engine reused).
@@ -28,13 +29,17 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
+import multiprocessing
 import os
 import platform
 import resource
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -524,29 +529,64 @@ def run_hf(
 
 # ---- llama.cpp ------------------------------------------------------------------------------
 def run_llamacpp(config: BenchConfig, prompts: list[list[int]], threads: int) -> dict[str, Any]:
-    """Greedy, 64 tokens per prompt, one at a time; null metrics when llama_cpp is missing."""
-    try:
-        import llama_cpp
-    except ImportError:
+    """llama.cpp in a child process: a crash in its native code (seen: a segfault) costs this
+    baseline only, not the whole run; its memory also stays out of our peak RSS."""
+    if importlib.util.find_spec("llama_cpp") is None:
         log("llama_cpp is not installed; skipping llama.cpp")
         return {"llamacpp_sequential_tok_s": None}
+    prompts = prompts[: config.llamacpp_sequential_prompts]
+    spawn = multiprocessing.get_context("spawn")  # a clean process, no forked torch threads
+    with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+        try:
+            result = pool.submit(llamacpp_sequential, prompts, config.new_tokens, threads).result()
+        except BrokenProcessPool:
+            log("llama.cpp crashed; llamacpp_sequential_tok_s is null")
+            return {"llamacpp_sequential_tok_s": None, "details": {"llamacpp": "crashed"}}
+    log(f"llama.cpp sequential: {result.tokens} tokens in {result.seconds:.2f}s")
+    return {"llamacpp_sequential_tok_s": result.tok_s, "details": {"llamacpp": asdict(result)}}
+
+
+def llamacpp_sequential(prompts: list[list[int]], new_tokens: int, threads: int) -> Throughput:
+    """Greedy, `new_tokens` per prompt, one prompt at a time (runs in the child process)."""
+    import llama_cpp
+    from llama_cpp import llama_cpp as bindings
+
+    disable_extra_buffer_types(bindings)
     llm = llama_cpp.Llama(
         model_path=str(default_model_gguf()), n_ctx=4096, n_threads=threads, verbose=False
     )
-    # Warm-up, as for the other engines.
-    take_tokens(llm.generate(prompts[0], temp=0.0, top_k=1, repeat_penalty=1.0), 4)
+    take_tokens(llamacpp_stream(llm, prompts[0]), 4)  # warm-up, as for the other engines
     total_tokens, total_s = 0, 0.0
-    for prompt in prompts[: config.llamacpp_sequential_prompts]:
-        # generate() yields tokens without stopping at EOS, like ignore_eos; temp=0 is greedy.
-        stream = llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0)
-        tokens, seconds = timed(lambda s=stream: take_tokens(s, config.new_tokens))
+    for prompt in prompts:
+        stream = llamacpp_stream(llm, prompt)  # lazy: prefill happens inside the timing
+        tokens, seconds = timed(lambda s=stream: take_tokens(s, new_tokens))
+        check_lengths("llama.cpp", [tokens], new_tokens)
         total_tokens += len(tokens)
         total_s += seconds
-    result = Throughput(total_tokens, total_s)
-    log(f"llama.cpp sequential: {result.tokens} tokens in {result.seconds:.2f}s")
-    del llm
-    gc.collect()
-    return {"llamacpp_sequential_tok_s": result.tok_s, "details": {"llamacpp": asdict(result)}}
+    return Throughput(total_tokens, total_s)
+
+
+def disable_extra_buffer_types(bindings: Any) -> None:
+    """Turn off ggml's "extra" CPU weight layouts (AMX, repacking).
+
+    On this AMX-capable CPU, llama-cpp-python 0.3.36 segfaults in ggml_backend_amx_mul_mat on
+    the first decode of this model. `Llama()` has no option for it, so patch the defaults that
+    its constructor starts from (it calls them through the low-level `llama_cpp.llama_cpp`).
+    """
+    default_params = bindings.llama_model_default_params
+
+    def params_without_extra_bufts() -> Any:
+        params = default_params()
+        if hasattr(params, "use_extra_bufts"):
+            params.use_extra_bufts = False
+        return params
+
+    bindings.llama_model_default_params = params_without_extra_bufts
+
+
+def llamacpp_stream(llm: Any, prompt: list[int]) -> Any:
+    # generate() never stops at EOS by itself (like ignore_eos); temp=0 is greedy.
+    return llm.generate(prompt, temp=0.0, top_k=1, repeat_penalty=1.0)
 
 
 def take_tokens(stream: Any, count: int) -> list[int]:
@@ -643,6 +683,11 @@ def main() -> None:
     threads = cpu_count()
     torch.set_num_threads(threads)
     log(f"config: {config}, torch threads: {threads}")
+    load_start = os.getloadavg()[0]
+    if load_start > 0.5:
+        # With one OpenMP thread per core, a busy core stalls every parallel op: small-batch
+        # numbers can drop tenfold, so a busy machine's results are not comparable.
+        log(f"warning: 1-minute load average is {load_start:.2f}; results will be noisy")
 
     tokenizer = Tokenizer(resolve_model_directory(MODEL))
     prompts = chat_prompts(tokenizer, config.num_prompts)
@@ -681,6 +726,8 @@ def main() -> None:
         **asdict(config),
         "model": MODEL,
         "torch_threads": threads,
+        "loadavg_1m_start": load_start,
+        "loadavg_1m_end": os.getloadavg()[0],
         "torch": torch.__version__,
         "python": platform.python_version(),
         "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),

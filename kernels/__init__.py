@@ -14,7 +14,7 @@ from kernels.attention import (
     paged_attention_torch,
     store_kvcache_torch,
 )
-from kernels.linear import linear_torch
+from kernels.linear import linear_torch, pack_linear_weight
 from kernels.rms_norm import rms_norm_torch
 from kernels.rotary import build_cos_sin_cache, rotary_torch
 
@@ -25,6 +25,7 @@ __all__ = [
     "build_cos_sin_cache",
     "build_paged_attention_batch",
     "linear",
+    "pack_linear_weight",
     "rms_norm",
     "rotary",
     "silu_and_mul",

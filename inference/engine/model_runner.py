@@ -36,6 +36,7 @@ class ModelRunner:
         with torch.inference_mode():
             self.model = LlamaModel(model_config, config.torch_dtype, max_model_len)
             load_weights(self.model, directory)
+            self.model.pack_weights()
         self.kv_caches = allocate_kv_cache(
             model_config, config.torch_dtype, num_blocks, config.block_size, config.device
         )

@@ -87,6 +87,13 @@ class LlamaModel:
         hidden, _ = ops.rms_norm(hidden, self.norm, eps, residual)
         return hidden
 
+    def pack_weights(self) -> None:
+        """Put every projection in the layout `ops.linear` runs fastest from (after loading)."""
+        for layer in self.layers:
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                setattr(layer, name, ops.pack_linear_weight(getattr(layer, name)))
+        self.lm_head = ops.pack_linear_weight(self.lm_head)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the rows of `hidden` that sample a token."""
         return ops.linear(hidden, self.lm_head).float()
