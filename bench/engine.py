@@ -1,6 +1,6 @@
 """Engine benchmark: Hearth's inference engine against Hugging Face `generate()` and llama.cpp.
 
-Runs SmolLM2-135M-Instruct on CPU, in one process, and measures:
+Runs SmolLM2-135M-Instruct on CPU, in one process (llama.cpp in a child), and measures:
 
 - `engine_c32_tok_s`: our engine (default config, bf16) with 32 chat prompts submitted at once,
   greedy, 64 new tokens each (`ignore_eos`), as generated tokens per wall-clock second.
@@ -14,7 +14,8 @@ Runs SmolLM2-135M-Instruct on CPU, in one process, and measures:
   user turn, first on an empty prefix cache, then with another user turn so that only the
   system prefix is shared (`warm_cached_tokens` is how much of it the engine reused).
 - `hf_prefill_s`: one HF float32 forward pass over the cold prompt.
-- `peak_rss_mb`: the process's peak resident memory at the end.
+- `peak_rss_mb`: the process's peak resident memory at the end (details also give the peak
+  after the engine phase and the RSS left once the engine was freed).
 
 It prints a table (metric, value, baseline, ratio, target, met) and, as the last line of stdout,
 one JSON object, which it also writes to bench/results/engine.json (engine-quick.json with
@@ -313,6 +314,15 @@ def log(message: str) -> None:
 def cpu_count() -> int:
     # The affinity mask, not os.cpu_count(): a container may be limited to fewer cores.
     return len(os.sched_getaffinity(0))
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def current_rss_mb() -> float:
+    resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return resident_pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -697,6 +707,8 @@ def main() -> None:
     # phases' memory peaks do not stack.
     engine_metrics, engine_outputs = run_engine(config, prompts, long_prompts)
     gc.collect()
+    engine_metrics["details"]["peak_rss_after_engine_mb"] = peak_rss_mb()
+    engine_metrics["details"]["rss_after_engine_freed_mb"] = current_rss_mb()
     hf_metrics = (
         {} if args.skip_hf else run_hf(config, prompts, long_prompts["cold"], engine_outputs)
     )
@@ -713,8 +725,7 @@ def main() -> None:
         "hf_prefill_s": hf_metrics.get("hf_prefill_s"),
         "warm_cached_tokens": engine_metrics["warm_cached_tokens"],
     }
-    # ru_maxrss is in KiB on Linux.
-    metrics["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    metrics["peak_rss_mb"] = peak_rss_mb()
     metrics["targets_met"] = {t.key: evaluate(t, metrics)[1] for t in TARGETS}
     metrics["details"] = {
         **engine_metrics["details"],

@@ -3,7 +3,8 @@
 Every op in `kernels` exists as a PyTorch reference (fast on the CPU, the oracle for the GPU
 kernels). CUDA tensors go to the Triton kernel of an op when one is registered; CPU tensors go to
 the reference. `HEARTH_KERNELS=triton` forces the Triton path on the CPU (run under
-`TRITON_INTERPRET=1`); `HEARTH_KERNELS=torch` forces the reference everywhere.
+`TRITON_INTERPRET=1`); `HEARTH_KERNELS=torch` forces the reference everywhere. The variable is
+read once, at import (like `TRITON_INTERPRET`): ops run thousands of times per second.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ def register_triton(op_name: str, fn: Callable) -> None:
     _TRITON_OPS[op_name] = fn
 
 
-def forced_backend() -> str | None:
-    """The backend named by HEARTH_KERNELS ('torch' or 'triton'), or None for automatic."""
+def _forced_backend_from_env() -> str | None:
     value = os.environ.get("HEARTH_KERNELS", "").strip().lower()
     if value in ("", "auto"):
         return None
@@ -31,9 +31,19 @@ def forced_backend() -> str | None:
     return value
 
 
+_forced_backend = _forced_backend_from_env()
+
+
+def forced_backend() -> str | None:
+    """The backend named by HEARTH_KERNELS ('torch' or 'triton'), or None for automatic."""
+    return _forced_backend
+
+
 def select(op_name: str, reference: Callable, tensor: torch.Tensor) -> Callable:
     """Return the implementation of `op_name` to run on `tensor`."""
-    backend = forced_backend()
+    backend = _forced_backend
+    if backend is None and not tensor.is_cuda:
+        return reference
     if backend == "torch":
         return reference
     triton_fn = _TRITON_OPS.get(op_name)
