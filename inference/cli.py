@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from inference.engine import LLM, SamplingParams
+from inference.engine import LLM, InvalidRequestError, ModelLoadError, SamplingParams
 from inference.models.loader import DEFAULT_MODEL
 
 
@@ -23,12 +23,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     started = time.time()
-    llm = LLM(args.model, dtype=args.dtype)
-    loaded = time.time()
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
-    )
-    [result] = llm.chat([{"role": "user", "content": args.message}], params)
+    try:
+        llm = LLM(args.model, dtype=args.dtype)
+        loaded = time.time()
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+        )
+        [result] = llm.chat([{"role": "user", "content": args.message}], params)
+    except (ModelLoadError, InvalidRequestError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     print(result.text)
     timings = result.timings
     print(
