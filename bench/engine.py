@@ -21,7 +21,7 @@ It prints a table (metric, value, baseline, ratio, target, met) and, as the last
 one JSON object, which it also writes to bench/results/engine.json (engine-quick.json with
 `--quick`). Progress goes to stderr.
 
-    .venv/bin/python bench/engine.py                # full run (about 10-15 minutes on 2 cores)
+    .venv/bin/python bench/engine.py                # full run (about a minute on 2 idle cores)
     .venv/bin/python bench/engine.py --quick        # smoke run: 8 prompts, 16 tokens
     .venv/bin/python bench/engine.py --skip-hf --skip-llamacpp
 """
@@ -29,6 +29,8 @@ one JSON object, which it also writes to bench/results/engine.json (engine-quick
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import gc
 import importlib.util
 import json
@@ -323,6 +325,13 @@ def peak_rss_mb() -> float:
 def current_rss_mb() -> float:
     resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
     return resident_pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap back to the OS: glibc keeps it (~250 MB after the engine), which would
+    count against the next phase's resident memory."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -635,17 +644,22 @@ def evaluate(target: Target, metrics: dict[str, Any]) -> tuple[float | None, boo
     value = metrics.get(target.metric)
     if value is None:
         return None, None
-    ratio = None
-    if target.baseline is not None:
+    if target.baseline is None:  # an absolute limit: compare the value itself
+        ratio, compared = None, value
+    else:
         baseline = metrics.get(target.baseline)
         if not baseline:
             return None, None
-        ratio = value = value / baseline
-    return ratio, value >= target.factor if target.at_least else value <= target.factor
+        ratio = compared = value / baseline
+    met = compared >= target.factor if target.at_least else compared <= target.factor
+    return ratio, met
 
 
 def fmt(value: float | None, digits: int = 3) -> str:
-    return "-" if value is None else f"{value:.{digits}g}"
+    if value is None:
+        return "-"
+    # Three significant digits, but never scientific notation for large values (RSS in MB).
+    return f"{value:.0f}" if abs(value) >= 10**digits else f"{value:.{digits}g}"
 
 
 def print_table(metrics: dict[str, Any]) -> None:
@@ -696,7 +710,8 @@ def main() -> None:
     load_start = os.getloadavg()[0]
     if load_start > 0.5:
         # With one OpenMP thread per core, a busy core stalls every parallel op: small-batch
-        # numbers can drop tenfold, so a busy machine's results are not comparable.
+        # numbers can drop tenfold, so a busy machine's results are not comparable. (The load
+        # average lags: it also counts work that ended in the last minute.)
         log(f"warning: 1-minute load average is {load_start:.2f}; results will be noisy")
 
     tokenizer = Tokenizer(resolve_model_directory(MODEL))
@@ -707,6 +722,7 @@ def main() -> None:
     # phases' memory peaks do not stack.
     engine_metrics, engine_outputs = run_engine(config, prompts, long_prompts)
     gc.collect()
+    release_freed_memory()
     engine_metrics["details"]["peak_rss_after_engine_mb"] = peak_rss_mb()
     engine_metrics["details"]["rss_after_engine_freed_mb"] = current_rss_mb()
     hf_metrics = (
