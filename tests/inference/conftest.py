@@ -9,7 +9,9 @@ from transformers import AutoModelForCausalLM
 from tests.inference.tiny_models import build_tiny_model
 
 
-@pytest.fixture(scope="session", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(
+    scope="session", params=["llama", "llama3-rope", "yarn-rope", "mistral", "qwen2", "qwen3"]
+)
 def tiny_model_dir(request, tmp_path_factory):
     """A tiny random-weight model directory, one per supported architecture family."""
     return build_tiny_model(tmp_path_factory.mktemp(f"tiny-{request.param}"), request.param)

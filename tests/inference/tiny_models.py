@@ -7,7 +7,13 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
+from transformers import (
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -50,7 +56,8 @@ def build_tokenizer(directory: Path) -> PreTrainedTokenizerFast:
 
 
 def build_tiny_model(directory: Path, architecture: str = "llama", seed: int = 0) -> Path:
-    """Save a random-weight model of `architecture` (llama, qwen2, qwen3) with a tokenizer."""
+    """Save a random-weight model of `architecture` with a tokenizer: llama, llama3-rope (Llama
+    with Llama 3.1 rope scaling), yarn-rope, mistral, qwen2, qwen3."""
     from transformers import AutoModelForCausalLM
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -73,6 +80,26 @@ def build_tiny_model(directory: Path, architecture: str = "llama", seed: int = 0
     )
     if architecture == "llama":
         config = LlamaConfig(**common, tie_word_embeddings=False)
+    elif architecture == "llama3-rope":
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        config = LlamaConfig(**common, tie_word_embeddings=False, rope_parameters=rope)
+    elif architecture == "yarn-rope":
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 256,
+        }
+        config = Qwen2Config(**common, tie_word_embeddings=False, rope_parameters=rope)
+    elif architecture == "mistral":
+        config = MistralConfig(**common, tie_word_embeddings=False, sliding_window=None)
     elif architecture == "qwen2":
         config = Qwen2Config(**common, tie_word_embeddings=True)
     elif architecture == "qwen3":
