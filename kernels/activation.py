@@ -9,4 +9,4 @@ import torch.nn.functional as F
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU: silu(gate) * up, where x = [gate | up]."""
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)
