@@ -14,11 +14,12 @@ from kernels.attention import (
     paged_attention_torch,
     store_kvcache_torch,
 )
-from kernels.linear import linear_torch, pack_linear_weight
+from kernels.linear import Int4Weight, linear_torch, pack_linear_weight
 from kernels.rms_norm import rms_norm_torch
-from kernels.rotary import build_cos_sin_cache, rotary_torch
+from kernels.rotary import build_cos_sin_cache, rotary_cos_sin, rotary_torch
 
 __all__ = [
+    "Int4Weight",
     "PagedAttentionBatch",
     "PrefillSegment",
     "attention",
@@ -28,6 +29,7 @@ __all__ = [
     "pack_linear_weight",
     "rms_norm",
     "rotary",
+    "rotary_cos_sin",
     "silu_and_mul",
     "store_kvcache",
 ]
@@ -40,15 +42,9 @@ def rms_norm(
     return dispatch.select("rms_norm", rms_norm_torch, x)(x, weight, eps, residual)
 
 
-def rotary(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    positions: torch.Tensor,
-    cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor,
-) -> None:
+def rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Apply rotary embeddings to query and key in place. See `kernels.rotary`."""
-    dispatch.select("rotary", rotary_torch, query)(query, key, positions, cos_cache, sin_cache)
+    dispatch.select("rotary", rotary_torch, query)(query, key, cos, sin)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -56,7 +52,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return dispatch.select("silu_and_mul", silu_and_mul_torch, x)(x)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | Int4Weight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Dense projection. See `kernels.linear`."""
     return dispatch.select("linear", linear_torch, x)(x, weight, bias)
 

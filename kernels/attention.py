@@ -98,8 +98,8 @@ def store_kvcache_torch(
     """Write key/value [T, Hk, D] into the caches at `slot_mapping` [T]; slot -1 is skipped."""
     k_flat = k_cache.view(-1, *k_cache.shape[-2:])
     v_flat = v_cache.view(-1, *v_cache.shape[-2:])
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
+    if slot_mapping.numel() and int(slot_mapping.min()) < 0:
+        valid = slot_mapping >= 0
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     k_flat.index_copy_(0, slot_mapping, key)
     v_flat.index_copy_(0, slot_mapping, value)
@@ -120,10 +120,10 @@ def paged_attention_torch(
     a sequence without a cached prefix attends to them directly instead of reading them back.
     Returns [T, Hq * D].
     """
-    num_tokens, num_heads, head_dim = query.shape
+    _, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
-    out = torch.empty((num_tokens, num_heads * head_dim), dtype=query.dtype, device=query.device)
+    parts: list[torch.Tensor] = []  # outputs in token order: decodes first, then each prefill
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
 
@@ -138,7 +138,7 @@ def paged_attention_torch(
         attn = F.scaled_dot_product_attention(
             q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=batch.decode_mask, scale=scale
         )
-        out[:n] = attn.reshape(n, num_heads * head_dim)
+        parts.append(attn.reshape(n, num_heads * head_dim))
 
     for seg in batch.prefills:
         rows = slice(seg.query_start, seg.query_start + seg.query_len)
@@ -155,5 +155,5 @@ def paged_attention_torch(
             attn = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=seg.mask, scale=scale, enable_gqa=group > 1
             )
-        out[rows] = attn[0].transpose(0, 1).reshape(seg.query_len, num_heads * head_dim)
-    return out
+        parts.append(attn[0].transpose(0, 1).reshape(seg.query_len, num_heads * head_dim))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -1,17 +1,26 @@
-"""Dense projection y = x W^T + b, and the weight layout it runs fastest from.
+"""Dense projection y = x W^T + b, the weight layouts it runs fastest from, and int4 weights.
 
 On the CPU, a bfloat16 weight is reordered once into oneDNN's blocked layout
-(`pack_linear_weight`): an unpacked bf16 weight is reordered again on every call, which costs more
-than the product itself at decode batch sizes (measured in docs/performance.md).
+(`pack_linear_weight`): an unpacked bf16 weight is re-laid-out on every call.
+
+Decoding one sequence reads every weight once per token, so its speed is the memory bandwidth
+divided by the weight bytes. `Int4Weight` holds a weight quantized to 4 bits in groups of 32 along
+the input dimension (asymmetric: w = (q - 8) * scale + zero, as torch's int4 CPU kernel
+defines it), a quarter of the bf16 bytes; one-row inputs run the int4 kernel, larger batches (which
+are compute-bound, where the int4 kernel is slow) run a bf16 copy of the same dequantized values.
+For weights that were 4-bit already (a Q4_0/Q4_1 GGUF), min/max grouping recovers their grid.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 # Batch size oneDNN tunes the packed layout for; any batch size runs with it.
 _PACK_BATCH_HINT = 32
+INT4_GROUP_SIZE = 32
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -26,10 +35,69 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
-def linear_torch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+def int4_group_quantize(
+    weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes [N, K] (int32 in 0..15), scales and zeros [N, K / group_size] (float32)."""
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise ValueError(f"int4 needs in_features divisible by {group_size}, got {in_features}")
+    groups = weight.float().view(out_features, in_features // group_size, group_size)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scales = (high - low).clamp(min=1e-8) / 15
+    codes = ((groups - low[..., None]) / scales[..., None]).round().clamp(0, 15)
+    zeros = low + 8 * scales
+    return codes.to(torch.int32).view(out_features, in_features), scales, zeros
+
+
+def int4_dequantize(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """x [T, K] @ weight[N, K]^T (+ bias[N]) -> [T, N]; `weight` plain or packed."""
+    """The float32 weight that int4 codes stand for: (q - 8) * scale + zero per group."""
+    out_features, in_features = codes.shape
+    groups = codes.view(out_features, in_features // group_size, group_size).float() - 8
+    return (groups * scales[..., None].float() + zeros[..., None].float()).view(codes.shape)
+
+
+@dataclass
+class Int4Weight:
+    """A projection weight in int4 (for one-row inputs) and dequantized bf16 (for batches)."""
+
+    packed: torch.Tensor  # torch's CPU int4 layout
+    scales_and_zeros: torch.Tensor  # [K / group_size, N, 2], bfloat16
+    group_size: int
+    dense: torch.Tensor  # dequantized, bf16, in `pack_linear_weight`'s layout
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> Int4Weight:
+        if weight.is_mkldnn:
+            weight = weight.to_dense()
+        codes, scales, zeros = int4_group_quantize(weight, group_size)
+        scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1)
+        scales_and_zeros = scales_and_zeros.contiguous().to(torch.bfloat16)
+        # The batch path uses exactly the (bf16-rounded) scales and zeros the int4 kernel uses.
+        dense = int4_dequantize(
+            codes, scales_and_zeros[..., 0].T, scales_and_zeros[..., 1].T, group_size
+        )
+        return cls(
+            packed=torch._convert_weight_to_int4pack_for_cpu(codes, 1),
+            scales_and_zeros=scales_and_zeros,
+            group_size=group_size,
+            dense=pack_linear_weight(dense.to(torch.bfloat16)),
+        )
+
+
+def linear_torch(
+    x: torch.Tensor, weight: torch.Tensor | Int4Weight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [T, K] @ weight[N, K]^T (+ bias[N]) -> [T, N]; `weight` plain, packed or int4."""
+    if isinstance(weight, Int4Weight):
+        if x.shape[0] == 1:
+            out = torch._weight_int4pack_mm_for_cpu(
+                x, weight.packed, weight.group_size, weight.scales_and_zeros
+            )
+            return out if bias is None else out + bias
+        weight = weight.dense
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -21,7 +21,9 @@ class EngineConfig:
     `kv_cache_memory_bytes` is the budget the paged KV cache is sized from, in blocks of
     `block_size` tokens (`num_kv_blocks` sets the count directly instead);
     `max_num_batched_tokens` is the per-step token budget that chunked prefill respects;
-    `max_model_len` caps prompt + output (default: the model's own context).
+    `max_model_len` caps prompt + output (default: the model's own context);
+    `quantization="int4"` stores the decoder's projection weights in 4 bits (bfloat16 on the CPU
+    only), which single-sequence decoding reads four times faster.
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -35,6 +37,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cache_dir: str | None = None
     device: str = "cpu"
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -43,6 +46,12 @@ class EngineConfig:
             raise ValueError(f"block_size must be 8, 16, 32 or 64, got {self.block_size}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.quantization not in (None, "int4"):
+            raise ValueError(f"quantization must be None or 'int4', got {self.quantization!r}")
+        if self.quantization == "int4" and (
+            self.dtype not in ("bfloat16", "bf16") or self.device != "cpu"
+        ):
+            raise ValueError("quantization='int4' needs dtype bfloat16 on the CPU")
         if self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
 

@@ -36,7 +36,7 @@ class ModelRunner:
         with torch.inference_mode():
             self.model = LlamaModel(model_config, config.torch_dtype, max_model_len)
             load_weights(self.model, directory)
-            self.model.pack_weights()
+            self.model.pack_weights(config.quantization)
         self.kv_caches = allocate_kv_cache(
             model_config, config.torch_dtype, num_blocks, config.block_size, config.device
         )
@@ -71,8 +71,12 @@ class ModelRunner:
             if end == seq.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(seq)
+        position_ids = torch.tensor(positions, dtype=torch.long, device=self.device)
+        rotary_cos, rotary_sin = self.model.rotary_tables(position_ids)
         batch = ForwardBatch(
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            positions=position_ids,
+            rotary_cos=rotary_cos,
+            rotary_sin=rotary_sin,
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
             attention=ops.build_paged_attention_batch(
                 block_tables, query_lens, context_lens, bs, self.device

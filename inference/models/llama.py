@@ -19,6 +19,8 @@ class ForwardBatch:
     """The per-step inputs every layer needs."""
 
     positions: torch.Tensor  # [T]
+    rotary_cos: torch.Tensor  # [T, 1, rotary_dim / 2], from `rotary_tables`
+    rotary_sin: torch.Tensor
     slot_mapping: torch.Tensor  # [T]
     attention: ops.PagedAttentionBatch
 
@@ -87,11 +89,23 @@ class LlamaModel:
         hidden, _ = ops.rms_norm(hidden, self.norm, eps, residual)
         return hidden
 
-    def pack_weights(self) -> None:
-        """Put every projection in the layout `ops.linear` runs fastest from (after loading)."""
+    def rotary_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token rotary tables for one step, shared by every layer."""
+        return ops.rotary_cos_sin(self.cos_cache, self.sin_cache, positions, self.dtype)
+
+    def pack_weights(self, quantization: str | None = None) -> None:
+        """Put every projection in the layout `ops.linear` runs fastest from (after loading).
+
+        With `quantization="int4"` the decoder layers' projections become int4 weights; the LM
+        head stays bf16 (llama.cpp's 4-bit files keep it at 8 bits or more too).
+        """
         for layer in self.layers:
             for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                setattr(layer, name, ops.pack_linear_weight(getattr(layer, name)))
+                weight = getattr(layer, name)
+                if quantization == "int4":
+                    setattr(layer, name, ops.Int4Weight.quantize(weight))
+                else:
+                    setattr(layer, name, ops.pack_linear_weight(weight))
         self.lm_head = ops.pack_linear_weight(self.lm_head)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -116,7 +130,7 @@ class LlamaModel:
         if layer.q_norm is not None:
             q, _ = ops.rms_norm(q, layer.q_norm, config.rms_norm_eps)
             k, _ = ops.rms_norm(k, layer.k_norm, config.rms_norm_eps)
-        ops.rotary(q, k, batch.positions, self.cos_cache, self.sin_cache)
+        ops.rotary(q, k, batch.rotary_cos, batch.rotary_sin)
         ops.store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
         out = ops.attention(q, k, v, k_cache, v_cache, batch.attention, self.scale)
         return ops.linear(out, layer.o_proj)

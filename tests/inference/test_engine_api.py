@@ -181,3 +181,7 @@ def test_invalid_engine_settings_are_rejected():
         EngineConfig(dtype="float16x")
     with pytest.raises(ValueError, match="block_size"):
         EngineConfig(block_size=7)
+    with pytest.raises(ValueError, match="int4"):
+        EngineConfig(dtype="float32", quantization="int4")
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="int3")

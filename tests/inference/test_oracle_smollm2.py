@@ -111,11 +111,19 @@ def test_float32_alone_and_with_cached_prefix(smollm2_dir, chat_prompts, hf_refe
     assert all(c >= 32 for c in system_prefix_blocks[1:]), cached
 
 
-def test_bfloat16_agrees_with_float32_hf(hf_model, chat_prompts):
-    """bf16 weights and activations: top-1 agreement with HF float32 on at least 90% of the
-    generated positions (teacher-forced on the engine's own output), and the engine's reported
-    log-probability of each token within 0.25 nats of float32's."""
-    llm = LLM("SmolLM2-135M-Instruct", dtype="bfloat16")
+@pytest.mark.parametrize(
+    "quantization,min_agreement,max_logprob_error",
+    [(None, 0.95, 0.25), ("int4", 0.90, 0.5)],
+)
+def test_bfloat16_agrees_with_float32_hf(
+    hf_model, chat_prompts, quantization, min_agreement, max_logprob_error
+):
+    """bf16 weights and activations: top-1 agreement with HF float32 on at least 95% of the
+    generated positions (teacher-forced on the engine's own output; measured 158/159), and the
+    engine's reported log-probability of each token within 0.25 nats of float32's (measured
+    0.11). int4 weights (requantized from the GGUF's own 4-bit blocks, scales in bf16): at least
+    90% and within 0.5 nats (measured 155/158 and 0.15)."""
+    llm = LLM("SmolLM2-135M-Instruct", dtype="bfloat16", quantization=quantization)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=True, top_logprobs=3)
     results = llm.generate(chat_prompts, params)
     agree = total = 0
@@ -129,5 +137,5 @@ def test_bfloat16_agrees_with_float32_hf(hf_model, chat_prompts):
                 agree += int(row.argmax()) == token
                 total += 1
                 worst = max(worst, abs(float(row[token]) - result.logprobs[step].logprob))
-    assert agree / total >= 0.90, (agree, total)
-    assert worst < 0.25, worst
+    assert agree / total >= min_agreement, (agree, total)
+    assert worst < max_logprob_error, worst

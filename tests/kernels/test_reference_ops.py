@@ -22,6 +22,15 @@ def close(
     torch.testing.assert_close(actual.double(), expected, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("dim", [24, 64, 576, 1536])
+def test_rms_norm_is_bit_identical_to_the_hugging_face_formula_in_float32(dim):
+    x = torch.randn(512, dim) * torch.rand(512, 1) * 10
+    weight = torch.randn(dim)
+    hf = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    out, _ = ops.rms_norm(x, weight, 1e-5)
+    assert torch.equal(out, hf)  # exact: the float32 oracle tests compare greedy tokens
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 64), (7, 576), (33, 100)])
 def test_rms_norm_matches_float64(dtype, shape):
@@ -56,7 +65,7 @@ def test_rotary_matches_complex_rotation(dtype, tokens, heads, kv_heads, head_di
     q = torch.randn(tokens, heads, head_dim, dtype=dtype)
     k = torch.randn(tokens, kv_heads, head_dim, dtype=dtype)
     q0, k0 = q.clone(), k.clone()
-    ops.rotary(q, k, positions, cos, sin)
+    ops.rotary(q, k, *ops.rotary_cos_sin(cos, sin, positions, dtype))
 
     def expected(x: torch.Tensor) -> torch.Tensor:
         # NeoX layout: dimension i pairs with i + d/2; rotate each pair by position * inv_freq.
@@ -172,3 +181,43 @@ def test_paged_attention_matches_float64(dtype, block_size, heads, kv_heads, hea
     assert batch.num_decode == len(decode_contexts)
     out = ops.attention(query, key, value, k_cache, v_cache, batch, scale)
     close(out, torch.cat(expected), dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("n,k", [(96, 128), (64, 160), (576, 1536), (960, 576)])
+def test_int4_linear_matches_float64_of_its_dequantized_weight(rows, n, k):
+    """One row runs torch's int4 kernel, several rows the bf16 dequantized copy; both must
+    compute x @ dequantize(codes)^T. bf16 activations and outputs: rtol 2e-2, atol 2e-2 * |y|max."""
+    from kernels.linear import Int4Weight, int4_dequantize, int4_group_quantize
+
+    weight = torch.randn(n, k) / math.sqrt(k)
+    quantized = Int4Weight.quantize(weight)
+    x = torch.randn(rows, k, dtype=torch.bfloat16)
+    codes, _, _ = int4_group_quantize(weight)
+    scales = quantized.scales_and_zeros[..., 0].T.double()
+    zeros = quantized.scales_and_zeros[..., 1].T.double()
+    dequantized = int4_dequantize(codes, scales, zeros, quantized.group_size).double()
+    expected = x.double() @ dequantized.T
+    out = ops.linear(x, quantized)
+    atol = 2e-2 * expected.abs().max().item()
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=2e-2)
+
+
+def test_int4_quantization_error_is_at_most_half_a_step_and_4bit_grids_are_exact():
+    from kernels.linear import int4_dequantize, int4_group_quantize
+
+    weight = torch.randn(64, 256)
+    codes, scales, zeros = int4_group_quantize(weight)
+    assert codes.min() >= 0 and codes.max() <= 15
+    error = (int4_dequantize(codes, scales, zeros, 32) - weight).abs().view(64, 8, 32)
+    assert (error <= scales[..., None] / 2 + 1e-6).all()
+    # A weight that already lies on a 16-level grid per group (as a Q4_1 GGUF's does) comes back
+    # with the same codes, and the same values up to float32 rounding.
+    grid_codes = torch.randint(0, 16, (64, 256), dtype=torch.int32)
+    grid_codes[:, ::32], grid_codes[:, 1::32] = 0, 15  # each group spans its whole grid
+    step = torch.rand(64, 8) + 0.1
+    low = torch.randn(64, 8)
+    on_grid = (grid_codes.view(64, 8, 32) * step[..., None] + low[..., None]).view(64, 256)
+    again, scales, zeros = int4_group_quantize(on_grid)
+    assert torch.equal(again, grid_codes)
+    torch.testing.assert_close(int4_dequantize(again, scales, zeros, 32), on_grid)
