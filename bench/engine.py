@@ -5,6 +5,8 @@ Runs SmolLM2-135M-Instruct on CPU, in one process (llama.cpp in a child), and me
 - `engine_c32_tok_s`: our engine (default config, bf16) with 32 chat prompts submitted at once,
   greedy, 64 new tokens each (`ignore_eos`), as generated tokens per wall-clock second.
 - `engine_c1_tok_s`: the same engine serving the first 8 prompts one at a time.
+- `engine_int4_c1_tok_s`: the same, with the decoder's weights in int4 (`quantization="int4"`,
+  requantized from the GGUF's own Q4_1 blocks; the default stays bf16).
 - `hf_batched_tok_s`: HF `model.generate` (float32) on all 32 prompts as one left-padded batch.
 - `hf_sequential_tok_s`: HF `model.generate` (float32) on the first 4 prompts one at a time.
 - `llamacpp_sequential_tok_s`: llama.cpp (Q4_1 GGUF, 2 threads) on the first 8 prompts one at
@@ -451,6 +453,17 @@ def run_engine(
     return metrics, seq_tokens
 
 
+def run_engine_int4(config: BenchConfig, prompts: list[list[int]]) -> dict[str, Any]:
+    """One request at a time with the decoder's weights in int4 (`quantization="int4"`): the
+    same 4-bit information llama.cpp reads from the Q4_1 file, a quarter of the bf16 bytes."""
+    llm = LLM(MODEL, quantization="int4")
+    engine_generate(llm, prompts[:2], 4, namespace="warmup")
+    seq_prompts = prompts[: config.engine_sequential_prompts]
+    seq, _ = engine_sequential(llm, seq_prompts, config.new_tokens, "c1-int4-run")
+    log(f"engine int4 c1: {seq.tokens} tokens in {seq.seconds:.2f}s")
+    return {"engine_int4_c1_tok_s": seq.tok_s, "details": {"engine_int4_c1": asdict(seq)}}
+
+
 def check_lengths(who: str, outputs: list[list[int]], expected: int) -> None:
     """Throughput is only comparable if every request made exactly `expected` tokens."""
     wrong = [len(o) for o in outputs if len(o) != expected]
@@ -633,6 +646,8 @@ TARGETS = (
     Target("c32_vs_hf_batched", "engine_c32_tok_s", "hf_batched_tok_s", 8.0, True),
     Target("c1_vs_hf_sequential", "engine_c1_tok_s", "hf_sequential_tok_s", 5.0, True),
     Target("c1_vs_llamacpp", "engine_c1_tok_s", "llamacpp_sequential_tok_s", 1.0, True),
+    Target("int4_c1_vs_hf_sequential", "engine_int4_c1_tok_s", "hf_sequential_tok_s", 5.0, True),
+    Target("int4_c1_vs_llamacpp", "engine_int4_c1_tok_s", "llamacpp_sequential_tok_s", 1.0, True),
     Target("cold_ttft_vs_hf_prefill", "cold_ttft_s", "hf_prefill_s", 0.25, False),
     Target("warm_vs_cold_ttft", "warm_ttft_s", "cold_ttft_s", 0.03, False),
     Target("peak_rss", "peak_rss_mb", None, RSS_LIMIT_MB, False),
@@ -723,6 +738,10 @@ def main() -> None:
     engine_metrics, engine_outputs = run_engine(config, prompts, long_prompts)
     gc.collect()
     release_freed_memory()
+    int4_metrics = run_engine_int4(config, prompts)
+    engine_metrics["details"].update(int4_metrics["details"])
+    gc.collect()
+    release_freed_memory()
     engine_metrics["details"]["peak_rss_after_engine_mb"] = peak_rss_mb()
     engine_metrics["details"]["rss_after_engine_freed_mb"] = current_rss_mb()
     hf_metrics = (
@@ -733,6 +752,7 @@ def main() -> None:
     metrics: dict[str, Any] = {
         "engine_c32_tok_s": engine_metrics["engine_c32_tok_s"],
         "engine_c1_tok_s": engine_metrics["engine_c1_tok_s"],
+        "engine_int4_c1_tok_s": int4_metrics["engine_int4_c1_tok_s"],
         "hf_batched_tok_s": hf_metrics.get("hf_batched_tok_s"),
         "hf_sequential_tok_s": hf_metrics.get("hf_sequential_tok_s"),
         "llamacpp_sequential_tok_s": llamacpp_metrics.get("llamacpp_sequential_tok_s"),
