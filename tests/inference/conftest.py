@@ -22,11 +22,8 @@ def tiny_llama_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
 
 
-def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy continuations from Hugging Face transformers in float32, one prompt at a time,
-    never stopping early (the engine runs with ignore_eos to match)."""
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.generation_config.eos_token_id = None
+def hf_generate_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations from a Hugging Face model, one prompt at a time (no padding)."""
     results = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -39,3 +36,11 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[
             )
             results.append(out[0, len(prompt) :].tolist())
     return results
+
+
+def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations from Hugging Face transformers in float32, never stopping early
+    (the engine runs with ignore_eos to match)."""
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    return hf_generate_greedy(model, prompts, max_new_tokens)

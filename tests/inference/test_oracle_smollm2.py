@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from inference.engine import LLM, SamplingParams
 from inference.models.loader import resolve_model_directory
+from tests.inference.conftest import hf_generate_greedy
 
 pytestmark = pytest.mark.smollm2
 
@@ -57,18 +58,8 @@ def hf_model(smollm2_dir):
 
 @pytest.fixture(scope="module")
 def hf_reference(hf_model, chat_prompts):
-    """HF greedy continuations (stopping at EOS like the engine does), one prompt at a time."""
-    results = []
-    with torch.inference_mode():
-        for prompt in chat_prompts:
-            out = hf_model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=MAX_NEW,
-                do_sample=False,
-            )
-            results.append(out[0, len(prompt) :].tolist())
-    return results
+    """HF greedy continuations, stopping at EOS like the engine does."""
+    return hf_generate_greedy(hf_model, chat_prompts, MAX_NEW)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
