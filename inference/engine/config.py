@@ -46,6 +46,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be 8, 16, 32 or 64, got {self.block_size}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.device != "cpu":
+            # Weights and caches are placed on the CPU; the GPU path comes with the Triton kernels.
+            raise ValueError(f"device must be 'cpu' for now, got {self.device!r}")
         if self.quantization not in (None, "int4"):
             raise ValueError(f"quantization must be None or 'int4', got {self.quantization!r}")
         if self.quantization == "int4" and (

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
+
+from transformers import AutoConfig
 
 from inference.engine.block_manager import BlockManager
 from inference.engine.config import EngineConfig
@@ -28,10 +31,6 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
-        from pathlib import Path
-
-        from transformers import AutoConfig
-
         self.config = config or EngineConfig(**overrides)
         cache_dir = Path(self.config.cache_dir) if self.config.cache_dir else None
         directory = resolve_model_directory(self.config.model, cache_dir)

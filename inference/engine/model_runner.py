@@ -8,6 +8,7 @@ import torch
 
 import kernels as ops
 from inference.engine.config import EngineConfig
+from inference.engine.kv_cache import allocate_kv_cache
 from inference.engine.outputs import TokenLogprob
 from inference.engine.sampler import sample
 from inference.engine.scheduler import ScheduledSequence
@@ -28,8 +29,6 @@ class ModelRunner:
         num_blocks: int,
         max_model_len: int,
     ) -> None:
-        from inference.engine.kv_cache import allocate_kv_cache
-
         self.config = config
         self.block_size = config.block_size
         self.device = torch.device(config.device)
