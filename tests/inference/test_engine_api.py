@@ -185,3 +185,25 @@ def test_invalid_engine_settings_are_rejected():
         EngineConfig(dtype="float32", quantization="int4")
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(quantization="int3")
+
+
+def test_stop_string_ends_the_request_and_is_not_in_the_text(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32")
+    free = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    [free_run] = llm.generate([[3, 4, 5, 6]], free)
+    text = free_run.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), "the tiny model's text is too short to cut"
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop])
+    [stopped] = llm.generate([[3, 4, 5, 6]], params)
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == text[: text.index(stop)]
+    assert stop not in stopped.text
+
+
+def test_a_request_waiting_for_a_slot_reports_its_queue_time(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    first, second = llm.generate([[3, 4, 5], [6, 7, 8]], params)
+    assert second.timings.queued_s >= first.timings.e2e_s * 0.5
+    assert second.timings.queued_s <= second.timings.ttft_s <= second.timings.e2e_s
