@@ -8,7 +8,7 @@ from inference.engine.block_hash import compute_block_hashes
 from inference.engine.config import EngineConfig
 from inference.engine.llm import LLM
 from inference.engine.llm_engine import LLMEngine
-from inference.engine.outputs import CompletionOutput, RequestOutput
+from inference.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from inference.engine.sampling_params import SamplingParams
 from inference.errors import InvalidRequestError, ModelLoadError
 
@@ -16,6 +16,7 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "EngineConfig",
+    "EngineStats",
     "InvalidRequestError",
     "LLMEngine",
     "ModelLoadError",

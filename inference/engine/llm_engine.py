@@ -12,7 +12,7 @@ from inference.engine.config import EngineConfig
 from inference.engine.detokenizer import IncrementalDetokenizer
 from inference.engine.kv_cache import num_blocks_for_budget
 from inference.engine.model_runner import ModelRunner
-from inference.engine.outputs import RequestOutput, Timings, TokenLogprob
+from inference.engine.outputs import EngineStats, RequestOutput, Timings, TokenLogprob
 from inference.engine.sampling_params import SamplingParams
 from inference.engine.scheduler import Scheduler
 from inference.engine.sequence import Sequence
@@ -141,6 +141,25 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    def stats(self) -> EngineStats:
+        """Load and cache figures for heartbeats and metrics."""
+        manager = self.block_manager
+        return EngineStats(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            num_free_blocks=manager.num_free_blocks,
+            num_blocks=manager.num_blocks,
+            block_size=manager.block_size,
+            prefix_cache_hit_tokens=manager.prefix_cache_hit_tokens,
+            prefix_cache_query_tokens=manager.prefix_cache_query_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """Every prefix block hash this engine's cache can serve now (for prefix-aware routing:
+        the gateway computes a prompt's hashes with `compute_block_hashes`)."""
+        return self.block_manager.cached_block_hashes()
 
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -54,3 +54,17 @@ class CompletionOutput:
     completion_tokens: int
     logprobs: list[TokenLogprob]
     timings: Timings
+
+
+@dataclass
+class EngineStats:
+    """What a node reports about its engine in heartbeats (DESIGN §3)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    block_size: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_query_tokens: int
+    num_preemptions: int

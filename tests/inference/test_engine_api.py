@@ -207,3 +207,23 @@ def test_a_request_waiting_for_a_slot_reports_its_queue_time(tiny_llama_dir):
     first, second = llm.generate([[3, 4, 5], [6, 7, 8]], params)
     assert second.timings.queued_s >= first.timings.e2e_s * 0.5
     assert second.timings.queued_s <= second.timings.ttft_s <= second.timings.e2e_s
+
+
+def test_stats_and_cached_hashes_let_a_gateway_route_on_prefixes(tiny_llama_dir):
+    from inference.engine import compute_block_hashes
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=32)
+    engine = llm.engine
+    prompt = list(range(3, 60))  # 57 tokens: three full blocks of 16
+    llm.generate([prompt], SamplingParams(max_tokens=2), namespace="org-a")
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_blocks) == (0, 0, 32)
+    assert stats.num_free_blocks == 32  # finished: every block is free, and still cached
+    assert stats.block_size == 16
+    cached = set(engine.cached_block_hashes())
+    assert set(compute_block_hashes(prompt, 16, "org-a")) <= cached
+    assert not set(compute_block_hashes(prompt, 16, "org-b")) & cached
+    llm.generate([prompt], SamplingParams(max_tokens=2), namespace="org-a")
+    stats = engine.stats()
+    assert stats.prefix_cache_hit_tokens == 48
+    assert stats.prefix_cache_query_tokens == 2 * len(prompt)
