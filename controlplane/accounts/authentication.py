@@ -1,0 +1,41 @@
+"""DRF authentication by `Authorization: Bearer <api key>`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rest_framework import exceptions
+from rest_framework.authentication import BaseAuthentication
+
+from controlplane.accounts.models import ApiKey, KeyRejected, Org
+
+
+@dataclass
+class ApiKeyPrincipal:
+    """`request.user` for API calls: the org and key behind the request."""
+
+    org: Org
+    api_key: ApiKey
+    is_authenticated: bool = True
+
+
+class ApiKeyAuthentication(BaseAuthentication):
+    def authenticate(self, request):
+        header = request.META.get("HTTP_AUTHORIZATION", "")
+        if not header:
+            return None  # IsAuthenticated answers 401 "missing_api_key"
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise exceptions.AuthenticationFailed(
+                "Malformed Authorization header: expected 'Bearer <api key>'.",
+                code="invalid_api_key",
+            )
+        try:
+            key = ApiKey.objects.authenticate(token.strip())
+        except KeyRejected as rejected:
+            raise exceptions.AuthenticationFailed(str(rejected), code=rejected.code) from None
+        return ApiKeyPrincipal(org=key.org, api_key=key), key
+
+    def authenticate_header(self, request) -> str:
+        # Makes DRF answer 401 (not 403) to unauthenticated requests.
+        return 'Bearer realm="hearth"'
