@@ -1,0 +1,257 @@
+"""The node loop: pull work while the engine has room, step, stream, report, heartbeat.
+
+Work waits in the broker, not in the node: a message is taken only while the engine's running
+and waiting requests stay below its `max_num_seqs`, so another node with room can take the rest. A message is
+acked only after its `record_completion` is enqueued, so a node that dies mid-request leaves it
+to be redelivered (at least once); the control plane makes the effects exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import dramatiq
+from dramatiq.broker import Broker, Consumer, MessageProxy
+
+from inference.engine.llm_engine import LLMEngine
+from inference.engine.outputs import RequestOutput, Timings
+from inference.engine.sampling_params import SamplingParams
+from inference.errors import InvalidRequestError
+from inference.node.protocol import (
+    CONTROLPLANE_QUEUE,
+    RECORD_COMPLETION_ACTOR,
+    GenerationRequest,
+    completion_payload,
+    model_queue,
+    node_queue,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _InFlight:
+    request: GenerationRequest
+    consumer: Consumer
+    message: MessageProxy
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+
+class DeltaPublisher:
+    """Sends token deltas to reply channels on a Channels layer from the node's sync loop.
+
+    The layer's API is async; a private event loop in a daemon thread runs the sends. Deltas are
+    best-effort (the result also travels in `record_completion`), so the loop never waits on them.
+    """
+
+    def __init__(self, channel_layer) -> None:
+        self.channel_layer = channel_layer
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def send(self, channel: str, message: dict[str, Any]) -> None:
+        future = asyncio.run_coroutine_threadsafe(
+            self.channel_layer.send(channel, message), self.loop
+        )
+        future.add_done_callback(_log_failed_send)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Deliver what is still in flight (up to `timeout_s`), then stop the loop."""
+        drain = asyncio.run_coroutine_threadsafe(self._drain(), self.loop)
+        try:
+            drain.result(timeout=timeout_s)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=timeout_s)
+
+    async def _drain(self) -> None:
+        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _log_failed_send(future) -> None:
+    if future.exception() is not None:
+        logger.warning("delta not delivered: %s", future.exception())
+
+
+HeartbeatSink = Callable[[str, dict[str, Any], float], None]
+
+
+class Node:
+    """One engine serving one model, fed by the broker."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        model: str,
+        node_id: str,
+        broker: Broker,
+        publisher: DeltaPublisher | None = None,
+        heartbeat: HeartbeatSink | None = None,
+        role: str = "unified",
+        poll_ms: int = 20,
+        heartbeat_interval_s: float = 2.0,
+    ) -> None:
+        self.engine = engine
+        self.model = model
+        self.node_id = node_id
+        self.broker = broker
+        self.publisher = publisher
+        self.heartbeat = heartbeat
+        self.role = role
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.inflight: dict[str, _InFlight] = {}
+        # The node's own queue first: affinity traffic must not wait behind the shared queue.
+        queues = [node_queue(model, node_id), model_queue(model)]
+        for name in [*queues, CONTROLPLANE_QUEUE]:
+            broker.declare_queue(name)
+        prefetch = engine.config.max_num_seqs
+        self.consumers = [broker.consume(q, prefetch=prefetch, timeout=poll_ms) for q in queues]
+        self._last_heartbeat = 0.0
+
+    # ---- admission ------------------------------------------------------------------------
+    def free_slots(self) -> int:
+        """Requests the engine can take now: sequence slots not held by running or waiting ones."""
+        held = self.engine.num_running + self.engine.num_waiting
+        return max(0, self.engine.config.max_num_seqs - held)
+
+    def pull(self) -> int:
+        """Take as many messages as the engine can admit; returns how many were taken."""
+        taken = 0
+        for consumer in self.consumers:
+            while self.free_slots() > 0:
+                outstanding = sum(1 for f in self.inflight.values() if f.consumer is consumer)
+                consumer.prefetch = outstanding + self.free_slots()
+                message = next(consumer)
+                if message is None:
+                    break
+                self._admit(consumer, message)
+                taken += 1
+        return taken
+
+    def _admit(self, consumer: Consumer, message: MessageProxy) -> None:
+        body = message.args[0] if message.args else None
+        try:
+            request = GenerationRequest.from_message(body)
+            self.engine.add_request(
+                request.request_id,
+                request.prompt_token_ids,
+                request.sampling,
+                namespace=request.org,
+                deadline=request.deadline,
+            )
+        except InvalidRequestError as error:
+            self._reject(consumer, message, body, error)
+            return
+        self.inflight[request.request_id] = _InFlight(request, consumer, message)
+
+    def _reject(self, consumer, message, body, error: InvalidRequestError) -> None:
+        """A request the engine can never serve: report it failed, and do not redeliver it."""
+        request_id = body.get("request_id") if isinstance(body, dict) else None
+        request = GenerationRequest(
+            request_id=str(request_id or message.message_id),
+            prompt_token_ids=[],
+            sampling=SamplingParams(),
+            job_id=body.get("job_id") if isinstance(body, dict) else None,
+            reply_channel=body.get("reply_channel") if isinstance(body, dict) else None,
+        )
+        payload = completion_payload(
+            request, self.node_id, "", [], None, 0, 0, Timings(), error=str(error)
+        )
+        self._record(payload)
+        if request.reply_channel and self.publisher:
+            self.publisher.send(
+                request.reply_channel,
+                {"type": "error", "message": str(error), "param": error.param},
+            )
+        consumer.ack(message)
+
+    # ---- running ----------------------------------------------------------------------------
+    def step(self) -> None:
+        for output in self.engine.step():
+            flight = self.inflight.get(output.request_id)
+            if flight is not None:
+                self._handle(flight, output)
+
+    def _handle(self, flight: _InFlight, output: RequestOutput) -> None:
+        flight.text.append(output.text)
+        flight.token_ids.extend(output.token_ids)
+        channel = flight.request.reply_channel
+        if channel and self.publisher and (output.text or output.token_ids):
+            self.publisher.send(
+                channel, {"type": "delta", "text": output.text, "token_ids": output.token_ids}
+            )
+        if not output.finished:
+            return
+        payload = completion_payload(
+            flight.request,
+            self.node_id,
+            "".join(flight.text),
+            flight.token_ids,
+            output.finish_reason,
+            output.prompt_tokens,
+            output.cached_tokens,
+            output.timings,
+        )
+        self._record(payload)
+        if channel and self.publisher:
+            self.publisher.send(channel, {"type": "done", **payload})
+        flight.consumer.ack(flight.message)
+        del self.inflight[output.request_id]
+
+    def _record(self, payload: dict[str, Any]) -> None:
+        self.broker.enqueue(
+            dramatiq.Message(
+                queue_name=CONTROLPLANE_QUEUE,
+                actor_name=RECORD_COMPLETION_ACTOR,
+                args=(payload,),
+                kwargs={},
+                options={},
+            )
+        )
+
+    def beat(self, force: bool = False) -> None:
+        """Publish load and cache state, at most every `heartbeat_interval_s`."""
+        now = time.monotonic()
+        if self.heartbeat is None or (
+            not force and now - self._last_heartbeat < self.heartbeat_interval_s
+        ):
+            return
+        self._last_heartbeat = now
+        stats = self.engine.stats()
+        state = {
+            "id": self.node_id,
+            "model": self.model,
+            "role": self.role,
+            "free_blocks": stats.num_free_blocks,
+            "num_blocks": stats.num_blocks,
+            "block_size": stats.block_size,
+            "running": stats.num_running,
+            "waiting": stats.num_waiting,
+            "free_slots": self.free_slots(),
+            "cached_prefix_hashes": [h.hex() for h in self.engine.cached_block_hashes()],
+            "at": time.time(),
+        }
+        self.heartbeat(self.node_id, state, self.heartbeat_interval_s * 3)
+
+    def run(self, stop: threading.Event) -> None:
+        """Serve until `stop` is set; unfinished requests are aborted and left unacked, so the
+        broker redelivers them to another node."""
+        self.beat(force=True)
+        while not stop.is_set():
+            self.pull()
+            if self.engine.has_unfinished_requests():
+                self.step()
+            self.beat()
+        for request_id in list(self.inflight):
+            self.engine.abort(request_id)
+        for consumer in self.consumers:
+            consumer.close()

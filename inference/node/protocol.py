@@ -1,0 +1,107 @@
+"""The messages a node exchanges with the control plane (DESIGN §3), as plain dicts.
+
+Generation requests arrive as Dramatiq messages for the actor `generate` on the model's queue
+`infer.<model>` or a node's own `infer.<model>.<node>`; their single argument is a dict:
+`request_id`, `job_id`, `org` (the prefix-cache namespace), `prompt_token_ids`, `sampling`
+(SamplingParams fields), `reply_channel` (None for async work), `deadline` (epoch seconds or
+None), `attempt`. Results leave as `record_completion` messages on the control plane's queue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from inference.engine.outputs import Timings
+from inference.engine.sampling_params import SamplingParams
+from inference.errors import InvalidRequestError
+
+GENERATE_ACTOR = "generate"
+RECORD_COMPLETION_ACTOR = "record_completion"
+CONTROLPLANE_QUEUE = "default"
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def model_queue(model: str) -> str:
+    """Queue every node serving `model` pulls from."""
+    return f"infer.{model}"
+
+
+def node_queue(model: str, node_id: str) -> str:
+    """Queue only one node pulls from (session affinity)."""
+    return f"infer.{model}.{node_id}"
+
+
+@dataclass
+class GenerationRequest:
+    """A generation request as a node receives it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    org: str = ""
+    job_id: str | None = None
+    reply_channel: str | None = None
+    deadline: float | None = None
+    attempt: int = 1
+
+    @classmethod
+    def from_message(cls, body: dict[str, Any]) -> GenerationRequest:
+        """Parse a message argument; raises InvalidRequestError naming a bad field."""
+        if not isinstance(body, dict):
+            raise InvalidRequestError("a generation request must be a JSON object")
+        request_id = body.get("request_id")
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id is required", param="request_id")
+        tokens = body.get("prompt_token_ids")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise InvalidRequestError("prompt_token_ids must be a list of integers", "prompt")
+        sampling = body.get("sampling") or {}
+        unknown = set(sampling) - _SAMPLING_FIELDS
+        if unknown:
+            raise InvalidRequestError(f"unknown sampling fields {sorted(unknown)}", "sampling")
+        try:
+            params = SamplingParams(**sampling)
+        except TypeError as exc:  # a field of the wrong type
+            raise InvalidRequestError(f"invalid sampling parameters: {exc}", "sampling") from exc
+        return cls(
+            request_id=request_id,
+            prompt_token_ids=tokens,
+            sampling=params,
+            org=body.get("org") or "",
+            job_id=body.get("job_id"),
+            reply_channel=body.get("reply_channel"),
+            deadline=body.get("deadline"),
+            attempt=int(body.get("attempt") or 1),
+        )
+
+
+def completion_payload(
+    request: GenerationRequest,
+    node_id: str,
+    text: str,
+    token_ids: list[int],
+    finish_reason: str | None,
+    prompt_tokens: int,
+    cached_tokens: int,
+    timings: Timings,
+    error: str | None = None,
+) -> dict[str, Any]:
+    """The argument of a `record_completion` message."""
+    return {
+        "request_id": request.request_id,
+        "job_id": request.job_id,
+        "attempt": request.attempt,
+        "node": node_id,
+        "text": text,
+        "token_ids": token_ids,
+        "finish_reason": finish_reason,
+        "error": error,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "cached_tokens": cached_tokens,
+            "completion_tokens": len(token_ids),
+        },
+        "timings": dataclasses.asdict(timings),
+    }

@@ -1,0 +1,170 @@
+"""The node against the real Redis: Dramatiq's Redis broker for work and results, the Channels
+Redis layer for deltas. The engine is a tiny random model."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+
+import dramatiq
+import pytest
+from asgiref.sync import async_to_sync
+from channels_redis.core import RedisChannelLayer
+from dramatiq.brokers.redis import RedisBroker
+
+from inference.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from inference.node.node import DeltaPublisher, Node
+from inference.node.protocol import (
+    CONTROLPLANE_QUEUE,
+    GENERATE_ACTOR,
+    RECORD_COMPLETION_ACTOR,
+    model_queue,
+)
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+MODEL = "tiny"
+
+
+@pytest.fixture
+def broker():
+    broker = RedisBroker(url=REDIS_URL, namespace=f"hearth-test-{uuid.uuid4().hex[:8]}")
+    yield broker
+    broker.flush_all()
+    broker.close()
+
+
+@pytest.fixture
+def channel_layer():
+    return RedisChannelLayer(hosts=[REDIS_URL], prefix=f"hearth-test-{uuid.uuid4().hex[:8]}")
+
+
+def make_engine(model_dir, max_num_seqs=4) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(model_dir), dtype="float32", max_model_len=256, max_num_seqs=max_num_seqs
+        )
+    )
+
+
+def enqueue(broker, body: dict) -> None:
+    broker.enqueue(
+        dramatiq.Message(
+            queue_name=model_queue(MODEL),
+            actor_name=GENERATE_ACTOR,
+            args=(body,),
+            kwargs={},
+            options={},
+        )
+    )
+
+
+def collect_results(broker, count: int, timeout_s: float = 60) -> dict[str, dict]:
+    consumer = broker.consume(CONTROLPLANE_QUEUE, prefetch=count, timeout=50)
+    results: dict[str, dict] = {}
+    deadline = time.time() + timeout_s
+    while len(results) < count and time.time() < deadline:
+        message = next(consumer)
+        if message is None:
+            continue
+        assert message.actor_name == RECORD_COMPLETION_ACTOR
+        results[message.args[0]["request_id"]] = message.args[0]
+        consumer.ack(message)
+    consumer.close()
+    return results
+
+
+def request(request_id: str, prompt: list[int], **extra) -> dict:
+    return {
+        "request_id": request_id,
+        "job_id": f"job_{request_id}",
+        "org": "acme",
+        "prompt_token_ids": prompt,
+        "sampling": {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True},
+        "reply_channel": None,
+        "deadline": None,
+        "attempt": 1,
+        **extra,
+    }
+
+
+def test_node_serves_requests_streams_deltas_and_reports_results(
+    tiny_llama_dir, broker, channel_layer
+):
+    reply = async_to_sync(channel_layer.new_channel)()
+    prompts = {"a": [3, 4, 5, 6], "b": list(range(10, 40)), "c": [7] * 20}
+    for request_id, prompt in prompts.items():
+        enqueue(
+            broker, request(request_id, prompt, reply_channel=reply if request_id == "a" else None)
+        )
+    enqueue(broker, request("too-long", list(range(3, 300))))
+    enqueue(broker, {"request_id": "bad", "prompt_token_ids": "nope", "job_id": "job_bad"})
+
+    publisher = DeltaPublisher(channel_layer)
+    beats: list[dict] = []
+    node = Node(
+        make_engine(tiny_llama_dir),
+        MODEL,
+        "node-1",
+        broker,
+        publisher,
+        heartbeat=lambda key, state, ttl: beats.append(state),
+    )
+    stop = threading.Event()
+    thread = threading.Thread(target=node.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        results = collect_results(broker, 5)
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+        publisher.close()
+
+    assert set(results) == {"a", "b", "c", "too-long", "bad"}
+    expected = LLM(str(tiny_llama_dir), dtype="float32").generate(
+        list(prompts.values()), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    )
+    for (request_id, prompt), want in zip(prompts.items(), expected, strict=True):
+        result = results[request_id]
+        assert result["token_ids"] == want.token_ids
+        assert result["text"] == want.text
+        assert result["finish_reason"] == "length" and result["error"] is None
+        assert result["usage"] == {
+            "prompt_tokens": len(prompt),
+            "cached_tokens": 0,
+            "completion_tokens": 8,
+        }
+        assert result["node"] == "node-1" and result["job_id"] == f"job_{request_id}"
+        assert result["timings"]["ttft_s"] is not None
+    assert "context length" in results["too-long"]["error"]
+    assert "prompt_token_ids" in results["bad"]["error"]
+    assert results["bad"]["job_id"] == "job_bad"
+
+    deltas = []
+
+    async def receive(channel: str) -> dict:
+        return await asyncio.wait_for(channel_layer.receive(channel), timeout=10)
+
+    while True:
+        message = async_to_sync(receive)(reply)
+        deltas.append(message)
+        if message["type"] == "done":
+            break
+    assert "".join(d["text"] for d in deltas[:-1]) == results["a"]["text"]
+    assert sum(len(d["token_ids"]) for d in deltas[:-1]) == 8
+    assert beats and beats[0]["id"] == "node-1" and beats[0]["model"] == MODEL
+    assert not node.inflight
+
+
+def test_work_waits_in_the_broker_until_a_node_has_room(tiny_llama_dir, broker):
+    for index in range(3):
+        enqueue(broker, request(f"r{index}", [3, 4, 5, index + 6]))
+    busy = Node(make_engine(tiny_llama_dir, max_num_seqs=1), MODEL, "busy", broker)
+    assert busy.pull() == 1
+    assert busy.pull() == 0  # full: the other two stay in the broker
+    other = Node(make_engine(tiny_llama_dir, max_num_seqs=4), MODEL, "other", broker)
+    deadline = time.time() + 10
+    while len(other.inflight) < 2 and time.time() < deadline:
+        other.pull()
+    assert len(other.inflight) == 2 and len(busy.inflight) == 1
