@@ -1,9 +1,10 @@
 """The node loop: pull work while the engine has room, step, stream, report, heartbeat.
 
 Work waits in the broker, not in the node: a message is taken only while the engine's running
-and waiting requests stay below its `max_num_seqs`, so another node with room can take the rest. A message is
-acked only after its `record_completion` is enqueued, so a node that dies mid-request leaves it
-to be redelivered (at least once); the control plane makes the effects exactly once.
+and waiting requests stay below its `max_num_seqs`, so another node with room can take the
+rest. A message is acked only after its `record_completion` is enqueued, so a node that dies
+mid-request leaves it to be redelivered (at least once); the control plane makes the effects
+exactly once.
 """
 
 from __future__ import annotations
