@@ -168,3 +168,51 @@ def test_work_waits_in_the_broker_until_a_node_has_room(tiny_llama_dir, broker):
     while len(other.inflight) < 2 and time.time() < deadline:
         other.pull()
     assert len(other.inflight) == 2 and len(busy.inflight) == 1
+
+
+def test_node_process_serves_heartbeats_and_stops_on_sigterm(tiny_llama_dir, broker):
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    import redis
+
+    node_id = f"proc-{uuid.uuid4().hex[:6]}"
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "inference.node",
+            "--model",
+            MODEL,
+            "--source",
+            str(tiny_llama_dir),
+            "--node-id",
+            node_id,
+            "--redis-url",
+            REDIS_URL,
+            "--broker-namespace",
+            broker.namespace,
+            "--dtype",
+            "float32",
+            "--kv-cache-mb",
+            "16",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        enqueue(broker, request("p1", [3, 4, 5, 6]))
+        results = collect_results(broker, 1, timeout_s=120)
+        assert results["p1"]["node"] == node_id and results["p1"]["usage"]["completion_tokens"] == 8
+        client = redis.Redis.from_url(REDIS_URL)
+        state = json.loads(client.get(f"hearth:node:{node_id}"))
+        assert state["model"] == MODEL and state["id"] == node_id
+        assert 63 <= state["free_slots"] <= 64  # a beat may fall while p1 runs
+        assert 0 < client.pttl(f"hearth:node:{node_id}") <= 6000
+    finally:
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=60)
+    assert process.returncode == 0, output

@@ -1,0 +1,81 @@
+"""`python -m inference.node --model ID`: run one node in production mode.
+
+The broker is Redis (`--redis-url`) unless `--broker-url amqp://…` names RabbitMQ; deltas go over
+the Channels Redis layer and heartbeats to Redis keys, on `--redis-url`. SIGTERM or SIGINT stops
+the node; requests it had not finished stay unacknowledged and are redelivered to another node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import threading
+import uuid
+
+from inference.engine import EngineConfig, LLMEngine
+from inference.node.heartbeat import RedisHeartbeat
+from inference.node.node import DeltaPublisher, Node
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m inference.node")
+    parser.add_argument("--model", required=True, help="the served model id (its queue name)")
+    parser.add_argument("--source", help="weights: HF directory, .gguf, or default model name")
+    parser.add_argument("--node-id", default=f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--broker-url", help="amqp://… for RabbitMQ; default: --redis-url")
+    parser.add_argument("--broker-namespace", default="dramatiq")
+    parser.add_argument("--channel-prefix", default="asgi")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--kv-cache-mb", type=int, default=512)
+    return parser.parse_args(argv)
+
+
+def make_broker(args: argparse.Namespace):
+    url = args.broker_url or args.redis_url
+    if url.startswith("amqp"):
+        from dramatiq.brokers.rabbitmq import RabbitmqBroker
+
+        return RabbitmqBroker(url=url)
+    from dramatiq.brokers.redis import RedisBroker
+
+    return RedisBroker(url=url, namespace=args.broker_namespace)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import redis
+    from channels_redis.core import RedisChannelLayer
+
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.source or args.model,
+            dtype=args.dtype,
+            max_num_seqs=args.max_num_seqs,
+            kv_cache_memory_bytes=args.kv_cache_mb * 1024 * 1024,
+        )
+    )
+    broker = make_broker(args)
+    publisher = DeltaPublisher(
+        RedisChannelLayer(hosts=[args.redis_url], prefix=args.channel_prefix)
+    )
+    heartbeat = RedisHeartbeat(redis.Redis.from_url(args.redis_url))
+    node = Node(engine, args.model, args.node_id, broker, publisher, heartbeat)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    logging.getLogger(__name__).info("node %s serving %s", args.node_id, args.model)
+    try:
+        node.run(stop)
+    finally:
+        publisher.close()
+        broker.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
