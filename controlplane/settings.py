@@ -59,8 +59,11 @@ INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "rest_framework",
+    "django_dramatiq",
     "controlplane.accounts",
     "controlplane.catalog",
+    "controlplane.billing",
+    "controlplane.jobs",
     "controlplane.gateway",
 ]
 
@@ -109,3 +112,34 @@ REST_FRAMEWORK = {
 
 STATIC_URL = "/static/"
 STATIC_ROOT = DATA_DIR / "static"
+
+# Dramatiq: Redis (or RabbitMQ with BROKER_URL=amqp://…) in production, the in-process StubBroker
+# in embedded mode. Nodes use the same broker and namespace (`python -m inference.node`).
+REDIS_URL = env_str("REDIS_URL")
+BROKER_URL = env_str("BROKER_URL") or REDIS_URL
+_DRAMATIQ_MIDDLEWARE = [
+    "dramatiq.middleware.AgeLimit",
+    "dramatiq.middleware.TimeLimit",
+    "dramatiq.middleware.Callbacks",
+    "dramatiq.middleware.Retries",
+    "django_dramatiq.middleware.DbConnectionsMiddleware",
+]
+if BROKER_URL.startswith("amqp"):
+    DRAMATIQ_BROKER = {
+        "BROKER": "dramatiq.brokers.rabbitmq.RabbitmqBroker",
+        "OPTIONS": {"url": BROKER_URL},
+        "MIDDLEWARE": _DRAMATIQ_MIDDLEWARE,
+    }
+elif BROKER_URL:
+    DRAMATIQ_BROKER = {
+        "BROKER": "dramatiq.brokers.redis.RedisBroker",
+        "OPTIONS": {"url": BROKER_URL, "namespace": env_str("HEARTH_BROKER_NAMESPACE", "dramatiq")},
+        "MIDDLEWARE": _DRAMATIQ_MIDDLEWARE,
+    }
+else:
+    DRAMATIQ_BROKER = {
+        "BROKER": "dramatiq.brokers.stub.StubBroker",
+        "OPTIONS": {},
+        "MIDDLEWARE": _DRAMATIQ_MIDDLEWARE,
+    }
+DRAMATIQ_AUTODISCOVER_MODULES = ["tasks"]

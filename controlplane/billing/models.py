@@ -1,0 +1,84 @@
+"""The usage ledger: exactly one row per billed request, unique on `request_id`."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+from django.db import models
+
+from controlplane.billing.pricing import compute_costs
+from controlplane.catalog.models import Price
+
+MONEY = {"max_digits": 24, "decimal_places": 12}
+# Prices have at most 6 decimals and are per million tokens: 12 places hold every cost exactly.
+MONEY_QUANTUM = Decimal("1e-12")
+
+
+class UsageRecordManager(models.Manager["UsageRecord"]):
+    def record(
+        self,
+        *,
+        request_id: str,
+        org,
+        api_key,
+        model: str,
+        mode: str,
+        prompt_tokens: int,
+        cached_tokens: int,
+        completion_tokens: int,
+        price: Price,
+    ) -> tuple[UsageRecord, bool]:
+        """The request's usage row, created once: a second call returns the first row.
+
+        Call inside the transaction that settles the job, so row and job change together.
+        """
+        costs = compute_costs(
+            prompt_tokens,
+            cached_tokens,
+            completion_tokens,
+            price.input_per_mtok,
+            price.cached_input_per_mtok,
+            price.output_per_mtok,
+        )
+        return self.get_or_create(
+            request_id=request_id,
+            defaults={
+                "org": org,
+                "api_key": api_key,
+                "model": model,
+                "mode": mode,
+                "prompt_tokens": prompt_tokens,
+                "cached_tokens": cached_tokens,
+                "completion_tokens": completion_tokens,
+                "price": price,
+                "input_cost": costs.input.quantize(MONEY_QUANTUM),
+                "cached_input_cost": costs.cached_input.quantize(MONEY_QUANTUM),
+                "output_cost": costs.output.quantize(MONEY_QUANTUM),
+                "total_cost": costs.total.quantize(MONEY_QUANTUM),
+                "cache_savings": costs.cache_savings.quantize(MONEY_QUANTUM),
+            },
+        )
+
+
+class UsageRecord(models.Model):
+    """Tokens and exact costs of one request, at the prices it was charged (`price`)."""
+
+    request_id = models.CharField(max_length=64, unique=True)
+    org = models.ForeignKey("accounts.Org", on_delete=models.PROTECT, related_name="usage")
+    api_key = models.ForeignKey(
+        "accounts.ApiKey", on_delete=models.SET_NULL, null=True, related_name="usage"
+    )
+    model = models.CharField(max_length=200)
+    mode = models.CharField(max_length=8)
+    prompt_tokens = models.PositiveIntegerField()
+    cached_tokens = models.PositiveIntegerField()
+    completion_tokens = models.PositiveIntegerField()
+    price = models.ForeignKey(Price, on_delete=models.PROTECT, related_name="usage")
+    input_cost = models.DecimalField(**MONEY)
+    cached_input_cost = models.DecimalField(**MONEY)
+    output_cost = models.DecimalField(**MONEY)
+    total_cost = models.DecimalField(**MONEY)
+    cache_savings = models.DecimalField(**MONEY)
+    created = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    objects = UsageRecordManager()

@@ -1,0 +1,196 @@
+"""Jobs settle and bill exactly once, from a node's result, whatever the delivery count."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from decimal import Decimal
+
+import dramatiq
+import pytest
+from django.conf import settings
+
+from controlplane.billing.models import UsageRecord
+from controlplane.billing.pricing import compute_costs
+from controlplane.catalog.models import Price, ServedModel
+from controlplane.jobs.models import Job
+from inference.node.protocol import CONTROLPLANE_QUEUE, GENERATE_ACTOR, model_queue
+
+
+def make_job(org, model="SmolLM2-135M-Instruct", **fields) -> Job:
+    return Job.objects.create(
+        org=org,
+        model=model,
+        request={"model": model, "prompt": "hi"},
+        prompt_token_ids=[3, 4, 5, 6],
+        sampling={"temperature": 0.0, "max_tokens": 8, "ignore_eos": True},
+        **fields,
+    )
+
+
+def result_for(job: Job, prompt=1000, cached=600, completion=200, **extra) -> dict:
+    return {
+        "request_id": job.request_id,
+        "job_id": job.id,
+        "node": "node-1",
+        "text": "hello",
+        "token_ids": [1, 2],
+        "finish_reason": "stop",
+        "error": None,
+        "usage": {
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "completion_tokens": completion,
+        },
+        "timings": {"ttft_s": 0.1},
+        **extra,
+    }
+
+
+def test_costs_are_exact_decimals():
+    costs = compute_costs(1000, 600, 200, Decimal("0.60"), Decimal("0.10"), Decimal("3.00"))
+    assert costs.input == Decimal("0.00024")
+    assert costs.cached_input == Decimal("0.00006")
+    assert costs.output == Decimal("0.0006")
+    assert costs.total == Decimal("0.0009")
+    assert costs.cache_savings == Decimal("0.0003")
+    with pytest.raises(ValueError, match="inconsistent usage"):
+        compute_costs(10, 11, 0, Decimal(1), Decimal(1), Decimal(1))
+
+
+def test_a_result_delivered_twice_settles_and_bills_once(org_a, smollm2):
+    job = make_job(org_a)
+    assert Job.objects.record_completion(result_for(job))
+    assert not Job.objects.record_completion(result_for(job, completion=999))
+    job.refresh_from_db()
+    assert job.status == Job.COMPLETED and job.node == "node-1"
+    assert job.result["usage"]["completion_tokens"] == 200
+    [record] = UsageRecord.objects.all()
+    assert record.total_cost == Decimal("0.0009") and record.cache_savings == Decimal("0.0003")
+    assert record.price == smollm2.current_price()
+    assert job.result["cost"] == str(record.total_cost)
+
+
+def test_usage_keeps_the_price_it_was_charged_at(org_a, smollm2):
+    first = make_job(org_a)
+    Job.objects.record_completion(result_for(first))
+    Price.objects.create(
+        model=smollm2,
+        input_per_mtok=Decimal("1.20"),
+        cached_input_per_mtok=Decimal("0.20"),
+        output_per_mtok=Decimal("6.00"),
+    )
+    second = make_job(org_a)
+    Job.objects.record_completion(result_for(second))
+    old, new = (UsageRecord.objects.get(request_id=j.request_id) for j in (first, second))
+    assert old.total_cost == Decimal("0.0009") and new.total_cost == Decimal("0.0018")
+
+
+def test_an_error_result_fails_the_job_and_bills_nothing(org_a, smollm2):
+    job = make_job(org_a)
+    assert Job.objects.record_completion(result_for(job, error="prompt too long"))
+    job.refresh_from_db()
+    assert job.status == Job.FAILED and job.error == "prompt too long"
+    assert not UsageRecord.objects.exists()
+
+
+def test_start_claims_a_queued_job_once(org_a, smollm2):
+    job = make_job(org_a)
+    assert job.start()
+    assert not Job.objects.get(pk=job.pk).start()
+    assert Job.objects.get(pk=job.pk).attempts == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_deliveries_write_one_usage_row(org_a, smollm2):
+    job = make_job(org_a)
+    payload = result_for(job)
+    barrier = threading.Barrier(4)
+    outcomes = []
+
+    def deliver():
+        from django.db import connection
+
+        barrier.wait()
+        outcomes.append(Job.objects.record_completion(payload))
+        connection.close()
+
+    threads = [threading.Thread(target=deliver) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(outcomes) == [False, False, False, True]
+    assert UsageRecord.objects.count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_real_node_serves_a_job_and_the_worker_bills_it(org_a, tiny_llama_dir):
+    """The whole path below the gateway: broker → node process → record_completion → worker."""
+    model = ServedModel.objects.create(id="tiny", source=str(tiny_llama_dir), context_length=256)
+    Price.objects.create(
+        model=model,
+        input_per_mtok=Decimal("0.60"),
+        cached_input_per_mtok=Decimal("0.10"),
+        output_per_mtok=Decimal("3.00"),
+    )
+    broker = dramatiq.get_broker()
+    node = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "inference.node",
+            "--model",
+            "tiny",
+            "--source",
+            str(tiny_llama_dir),
+            "--node-id",
+            "node-e2e",
+            "--broker-namespace",
+            settings.TEST_BROKER_NAMESPACE,
+            "--dtype",
+            "float32",
+            "--kv-cache-mb",
+            "16",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    import controlplane.jobs.tasks  # noqa: F401  (registers record_completion, as rundramatiq does)
+
+    # The control plane's worker consumes only its own queue: generation queues are the nodes'.
+    worker = dramatiq.Worker(
+        broker, queues={CONTROLPLANE_QUEUE}, worker_threads=1, worker_timeout=100
+    )
+    worker.start()
+    try:
+        job = make_job(org_a, model="tiny")
+        broker.enqueue(
+            dramatiq.Message(
+                queue_name=model_queue("tiny"),
+                actor_name=GENERATE_ACTOR,
+                args=(job.generation_message(),),
+                kwargs={},
+                options={},
+            )
+        )
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            job.refresh_from_db()
+            if job.status in Job.TERMINAL:
+                break
+            time.sleep(0.1)
+    finally:
+        worker.stop()
+        node.terminate()
+        output, _ = node.communicate(timeout=60)
+        broker.flush_all()
+    assert job.status == Job.COMPLETED, (job.status, job.error, output[-2000:])
+    assert job.node == "node-e2e"
+    [record] = UsageRecord.objects.filter(request_id=job.request_id)
+    assert (record.prompt_tokens, record.completion_tokens) == (4, 8)
+    expected = compute_costs(4, 0, 8, Decimal("0.60"), Decimal("0.10"), Decimal("3.00"))
+    assert record.total_cost == expected.total
