@@ -81,6 +81,7 @@ ASGI_APPLICATION = "controlplane.asgi.application"
 if env_str("DATABASE_URL"):
     DATABASES = {"default": database_from_url(env_str("DATABASE_URL"))}
 else:
+    DATA_DIR.mkdir(parents=True, exist_ok=True)
     DATABASES = {
         "default": {
             "ENGINE": "django.db.backends.sqlite3",
