@@ -86,3 +86,28 @@ def test_management_commands_create_an_org_and_print_only_the_key(db, capsys):
 
 def test_migrations_match_the_models(db):
     call_command("makemigrations", "--check", "--dry-run", verbosity=0)
+
+
+def test_demo_seeds_an_org_user_key_and_priced_model_and_can_run_twice(db, capsys):
+    from controlplane.catalog.models import ServedModel
+
+    call_command("demo")
+    first = capsys.readouterr().out
+    call_command("demo")
+    second = capsys.readouterr().out
+    keys = [
+        line.split()[-1] for line in (first + second).splitlines() if line.startswith("API key")
+    ]
+    assert len(keys) == 2 and keys[0] != keys[1]
+    assert all(ApiKey.objects.authenticate(k).org.slug == "demo" for k in keys)
+    model = ServedModel.objects.get(id="SmolLM2-135M-Instruct")
+    assert model.prices.count() == 1
+    assert str(model.current_price().cached_input_per_mtok) == "0.100000"
+    assert "demo-password" in first and "(unchanged)" in second
+
+
+def test_runnode_refuses_a_model_missing_from_the_catalog(db):
+    from django.core.management.base import CommandError
+
+    with pytest.raises(CommandError, match="no enabled model"):
+        call_command("runnode", "--model", "nope")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -137,24 +138,32 @@ def test_a_real_node_serves_a_job_and_the_worker_bills_it(org_a, tiny_llama_dir)
         output_per_mtok=Decimal("3.00"),
     )
     broker = dramatiq.get_broker()
+    # The node runs as `manage.py runnode`, reading the model from the catalog in the test
+    # database, with the test run's broker namespace.
+    database = settings.DATABASES["default"]
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "controlplane.settings",
+        "DATABASE_URL": f"postgres://{database['USER']}@{database['HOST']}:{database['PORT']}"
+        f"/{database['NAME']}",
+        "REDIS_URL": settings.DRAMATIQ_BROKER["OPTIONS"]["url"],
+        "HEARTH_BROKER_NAMESPACE": settings.TEST_BROKER_NAMESPACE,
+    }
     node = subprocess.Popen(
         [
             sys.executable,
-            "-m",
-            "inference.node",
+            "manage.py",
+            "runnode",
             "--model",
             "tiny",
-            "--source",
-            str(tiny_llama_dir),
             "--node-id",
             "node-e2e",
-            "--broker-namespace",
-            settings.TEST_BROKER_NAMESPACE,
             "--dtype",
             "float32",
             "--kv-cache-mb",
             "16",
         ],
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

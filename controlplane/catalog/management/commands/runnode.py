@@ -1,0 +1,51 @@
+"""`manage.py runnode --model ID`: run a node for a catalog model (a thin wrapper).
+
+The node itself (`inference.node`) needs no Django; this command only looks the model's weights
+up in the catalog and passes the broker and Redis settings on.
+"""
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+
+from controlplane.catalog.models import ServedModel
+from inference.node.__main__ import main as node_main
+
+
+class Command(BaseCommand):
+    help = "Run an inference node serving a catalog model."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--model", required=True)
+        parser.add_argument("--node-id")
+        parser.add_argument("--role", default="unified", choices=["unified"])
+        parser.add_argument("--dtype", default="bfloat16")
+        parser.add_argument("--max-num-seqs", type=int, default=64)
+        parser.add_argument("--kv-cache-mb", type=int, default=512)
+
+    def handle(self, *args, **options):
+        model = ServedModel.objects.filter(id=options["model"], enabled=True).first()
+        if model is None:
+            raise CommandError(f"no enabled model {options['model']!r} in the catalog")
+        if not settings.REDIS_URL:
+            raise CommandError("runnode needs REDIS_URL (embedded mode runs its node in-process)")
+        argv = [
+            "--model",
+            model.id,
+            "--source",
+            model.source,
+            "--redis-url",
+            settings.REDIS_URL,
+            "--broker-url",
+            settings.BROKER_URL,
+            "--broker-namespace",
+            settings.DRAMATIQ_BROKER.get("OPTIONS", {}).get("namespace", "dramatiq"),
+            "--dtype",
+            options["dtype"],
+            "--max-num-seqs",
+            str(options["max_num_seqs"]),
+            "--kv-cache-mb",
+            str(options["kv_cache_mb"]),
+        ]
+        if options["node_id"]:
+            argv += ["--node-id", options["node_id"]]
+        raise SystemExit(node_main(argv))
