@@ -53,6 +53,7 @@ class LLM:
         if len(params) != len(token_lists):
             raise ValueError("give one SamplingParams, or one per prompt")
         ids = [f"offline-{next(self._ids)}" for _ in token_lists]
+        prompt_of = dict(zip(ids, token_lists, strict=True))
         for request_id, tokens, p in zip(ids, token_lists, params, strict=True):
             self.engine.add_request(request_id, tokens, p, namespace=namespace)
         results: dict[str, CompletionOutput] = {}
@@ -66,7 +67,7 @@ class LLM:
                 if out.finished:
                     results[out.request_id] = CompletionOutput(
                         request_id=out.request_id,
-                        prompt_token_ids=token_lists[ids.index(out.request_id)],
+                        prompt_token_ids=prompt_of[out.request_id],
                         text="".join(texts),
                         token_ids=tokens,
                         finish_reason=out.finish_reason,
