@@ -29,6 +29,11 @@ def env_int(name: str, default: int) -> int:
     return default if value in (None, "") else int(value)
 
 
+def env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return default if value in (None, "") else float(value)
+
+
 def database_from_url(url: str) -> dict:
     """A Django DATABASES entry from `postgres://user:password@host:port/name`."""
     parsed = urlparse(url)
@@ -41,8 +46,12 @@ def database_from_url(url: str) -> dict:
         "PASSWORD": unquote(parsed.password or ""),
         "HOST": parsed.hostname or "",
         "PORT": str(parsed.port or ""),
-        # Under ASGI, persistent connections leak across threads (Django's docs): none.
+        # Under ASGI, persistent connections leak across threads (Django's docs): none; psycopg
+        # 3's pool reuses connections instead, so a request does not pay for a new one.
         "CONN_MAX_AGE": 0,
+        "OPTIONS": {"pool": {"min_size": 1, "max_size": env_int("HEARTH_DB_POOL_SIZE", 20)}}
+        if env_bool("HEARTH_DB_POOL", True)
+        else {},
     }
 
 
@@ -56,6 +65,7 @@ ALLOWED_HOSTS = [
 
 INSTALLED_APPS = [
     "django.contrib.auth",
+    "django.contrib.staticfiles",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "rest_framework",
@@ -65,6 +75,9 @@ INSTALLED_APPS = [
     "controlplane.billing",
     "controlplane.jobs",
     "controlplane.gateway",
+    "controlplane.events",
+    "controlplane.console",
+    "channels",
 ]
 
 MIDDLEWARE = [
@@ -86,6 +99,14 @@ else:
         "default": {
             "ENGINE": "django.db.backends.sqlite3",
             "NAME": str(DATA_DIR / "hearth.sqlite3"),
+            # The gateway, the in-process worker and the node share one file: wait for locks
+            # instead of failing, take the write lock up front, and let readers run beside a
+            # writer (WAL).
+            "OPTIONS": {
+                "timeout": 30,
+                "transaction_mode": "IMMEDIATE",
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+            },
         }
     }
 
@@ -98,7 +119,13 @@ TEMPLATES = [
         "BACKEND": "django.template.backends.django.DjangoTemplates",
         "DIRS": [BASE_DIR / "templates"],
         "APP_DIRS": True,
-        "OPTIONS": {"context_processors": ["django.template.context_processors.request"]},
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.template.context_processors.csrf",
+            ]
+        },
     }
 ]
 
@@ -111,12 +138,21 @@ REST_FRAMEWORK = {
     "UNAUTHENTICATED_USER": None,
 }
 
+LOGIN_URL = "/console/login"
+LOGIN_REDIRECT_URL = "/console/"
+LOGOUT_REDIRECT_URL = "/console/login"
+CSRF_TRUSTED_ORIGINS = [
+    o for o in env_str("HEARTH_CSRF_TRUSTED_ORIGINS", "http://127.0.0.1:8000").split(",") if o
+]
+
 STATIC_URL = "/static/"
 STATIC_ROOT = DATA_DIR / "static"
 
 # Dramatiq: Redis (or RabbitMQ with BROKER_URL=amqp://…) in production, the in-process StubBroker
 # in embedded mode. Nodes use the same broker and namespace (`python -m inference.node`).
 REDIS_URL = env_str("REDIS_URL")
+# Embedded mode (no REDIS_URL): one process runs gateway, worker and node (controlplane/embedded).
+EMBEDDED = not REDIS_URL
 BROKER_URL = env_str("BROKER_URL") or REDIS_URL
 _DRAMATIQ_MIDDLEWARE = [
     "dramatiq.middleware.AgeLimit",
@@ -144,3 +180,35 @@ else:
         "MIDDLEWARE": _DRAMATIQ_MIDDLEWARE,
     }
 DRAMATIQ_AUTODISCOVER_MODULES = ["tasks"]
+
+# Channels: token deltas and event pushes. The node builds its own RedisChannelLayer with the same
+# prefix (`runnode` passes it). redis-py 8 times out channels_redis's 5 s BRPOP at its default
+# socket timeout, so the socket waits longer than the poll.
+CHANNEL_PREFIX = env_str("HEARTH_CHANNEL_PREFIX", "asgi")
+if REDIS_URL:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {
+                "hosts": [{"address": REDIS_URL, "socket_timeout": 30}],
+                "prefix": CHANNEL_PREFIX,
+                "capacity": 1000,
+            },
+        }
+    }
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+# How long a synchronous request waits for its answer, queue time included.
+SYNC_REQUEST_TIMEOUT_S = env_float("HEARTH_SYNC_REQUEST_TIMEOUT_S", 600.0)
+# How often the gateway re-reads the node registry (heartbeats), in seconds.
+NODE_REGISTRY_TTL_S = env_float("HEARTH_NODE_REGISTRY_TTL_S", 0.5)
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("HEARTH_LOG_LEVEL", "WARNING")},
+    "loggers": {"controlplane": {"level": env_str("HEARTH_LOG_LEVEL", "INFO")}},
+}

@@ -19,22 +19,34 @@ class ApiKeyPrincipal:
     is_authenticated: bool = True
 
 
+MISSING_KEY_MESSAGE = "You didn't provide an API key: use 'Authorization: Bearer <api key>'."
+
+
+def principal_from_header(header: str) -> ApiKeyPrincipal:
+    """The principal behind an `Authorization` header; raises KeyRejected (401) otherwise.
+
+    Shared by the DRF class below and the async completion views, which DRF does not run."""
+    if not header:
+        raise KeyRejected(MISSING_KEY_MESSAGE, "missing_api_key")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise KeyRejected(
+            "Malformed Authorization header: expected 'Bearer <api key>'.", "invalid_api_key"
+        )
+    key = ApiKey.objects.authenticate(token.strip())
+    return ApiKeyPrincipal(org=key.org, api_key=key)
+
+
 class ApiKeyAuthentication(BaseAuthentication):
     def authenticate(self, request):
         header = request.META.get("HTTP_AUTHORIZATION", "")
         if not header:
             return None  # IsAuthenticated answers 401 "missing_api_key"
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise exceptions.AuthenticationFailed(
-                "Malformed Authorization header: expected 'Bearer <api key>'.",
-                code="invalid_api_key",
-            )
         try:
-            key = ApiKey.objects.authenticate(token.strip())
+            principal = principal_from_header(header)
         except KeyRejected as rejected:
             raise exceptions.AuthenticationFailed(str(rejected), code=rejected.code) from None
-        return ApiKeyPrincipal(org=key.org, api_key=key), key
+        return principal, principal.api_key
 
     def authenticate_header(self, request) -> str:
         # Makes DRF answer 401 (not 403) to unauthenticated requests.

@@ -6,7 +6,7 @@ from decimal import Decimal
 
 from django.db import models
 
-from controlplane.billing.pricing import compute_costs
+from controlplane.billing.pricing import compute_costs, decimal_string
 from controlplane.catalog.models import Price
 
 MONEY = {"max_digits": 24, "decimal_places": 12}
@@ -82,3 +82,14 @@ class UsageRecord(models.Model):
     created = models.DateTimeField(auto_now_add=True, db_index=True)
 
     objects = UsageRecordManager()
+
+    def cost_object(self) -> dict[str, str]:
+        """The costs as decimal strings (USD), as the API shows them."""
+        return {
+            "currency": "USD",
+            "input": decimal_string(self.input_cost),
+            "cached_input": decimal_string(self.cached_input_cost),
+            "output": decimal_string(self.output_cost),
+            "total": decimal_string(self.total_cost),
+            "cache_savings": decimal_string(self.cache_savings),
+        }

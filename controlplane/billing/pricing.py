@@ -8,6 +8,12 @@ from decimal import Decimal
 PER_MILLION = Decimal(1_000_000)
 
 
+def decimal_string(amount: Decimal) -> str:
+    """An exact amount as the API shows it: no trailing zeros, never an exponent ("10", not
+    "1E+1"), so a client can parse it back to the same Decimal."""
+    return format(amount.normalize(), "f")
+
+
 @dataclass(frozen=True)
 class Costs:
     """USD. Uncached input at the input price, cached input at the cached price."""

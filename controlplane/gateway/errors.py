@@ -9,6 +9,8 @@ from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler
 
+from controlplane.accounts.authentication import MISSING_KEY_MESSAGE
+
 logger = logging.getLogger(__name__)
 
 _TYPES = {
@@ -19,8 +21,34 @@ _TYPES = {
     405: "invalid_request_error",
     409: "invalid_request_error",
     415: "invalid_request_error",
+    422: "invalid_request_error",
     429: "rate_limit_error",
+    503: "server_error",
+    504: "server_error",
 }
+
+
+class ApiError(Exception):
+    """An OpenAI-shaped error raised by the async views, which have no DRF handler around them."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def response(self) -> JsonResponse:
+        body = error_body(self.message, self.status, self.param, self.code)
+        response = JsonResponse(body, status=self.status)
+        for name, value in self.headers.items():
+            response[name] = value
+        return response
 
 
 def error_body(message: str, status_code: int, param: str | None = None, code: str | None = None):
@@ -58,8 +86,7 @@ def openai_exception_handler(exc, context):
         response.data = error_body(message, response.status_code, param, code)
         return response
     if isinstance(exc, exceptions.NotAuthenticated):
-        message = "You didn't provide an API key: use 'Authorization: Bearer <api key>'."
-        response.data = error_body(message, 401, code="missing_api_key")
+        response.data = error_body(MISSING_KEY_MESSAGE, 401, code="missing_api_key")
         response.status_code = 401
         return response
     codes = exc.get_codes() if isinstance(exc, exceptions.APIException) else None

@@ -1,8 +1,11 @@
 from django.urls import path
 
-from controlplane.gateway import views
+from controlplane.gateway import completions, jobs_api, views
 
 urlpatterns = [
     path("models", views.ModelList.as_view()),
     path("models/<path:model_id>", views.ModelDetail.as_view()),
+    path("chat/completions", completions.chat_completions),
+    path("completions", completions.completions),
+    path("jobs/<str:job_id>", jobs_api.JobDetail.as_view()),
 ]

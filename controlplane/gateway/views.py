@@ -8,6 +8,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from controlplane.billing.pricing import decimal_string
 from controlplane.catalog.models import ServedModel
 
 
@@ -24,9 +25,9 @@ def serialize_model(model: ServedModel) -> dict:
         "pricing": None
         if price is None
         else {
-            "input": str(price.input_per_mtok.normalize()),
-            "cached_input": str(price.cached_input_per_mtok.normalize()),
-            "output": str(price.output_per_mtok.normalize()),
+            "input": decimal_string(price.input_per_mtok),
+            "cached_input": decimal_string(price.cached_input_per_mtok),
+            "output": decimal_string(price.output_per_mtok),
             "unit": "USD per 1M tokens",
         },
     }

@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from controlplane.billing.models import UsageRecord
 from controlplane.catalog.models import ServedModel
+from controlplane.events.models import Event
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,21 @@ def new_request_id() -> str:
 
 
 class JobManager(models.Manager["Job"]):
+    def submit(self, **fields: Any) -> Job:
+        """Create a queued job and its `job.queued` event together."""
+        from controlplane.jobs.serializers import job_object
+
+        with transaction.atomic():
+            job = self.create(**fields)
+            Event.objects.emit(job.org, "job.queued", job_object(job))
+        return job
+
+    def record_started(self, payload: dict[str, Any]) -> bool:
+        """A node took the job's request: queued → running, once (a late or repeated notice,
+        one that arrives after the result, changes nothing)."""
+        job = self.select_related("org").filter(request_id=payload["request_id"]).first()
+        return job is not None and job.start(node=payload.get("node") or "")
+
     def record_completion(self, payload: dict[str, Any]) -> bool:
         """Settle the job of a node's `record_completion` payload; False if it was already
         settled (a redelivery) or is unknown."""
@@ -53,6 +69,7 @@ class JobManager(models.Manager["Job"]):
                 job.status = Job.FAILED
                 job.error = payload["error"]
                 job.save()
+                job.emit("job.failed")
                 return True
             usage = payload["usage"]
             price = ServedModel.objects.get(id=job.model).current_price()
@@ -73,10 +90,11 @@ class JobManager(models.Manager["Job"]):
                 "token_ids": payload["token_ids"],
                 "finish_reason": payload["finish_reason"],
                 "usage": usage,
-                "cost": str(record.total_cost),
+                "cost": record.cost_object(),
                 "timings": payload.get("timings") or {},
             }
             job.save()
+            job.emit("job.completed")
             return True
 
 
@@ -86,7 +104,10 @@ class Job(models.Model):
     QUEUED, RUNNING, COMPLETED, FAILED = "queued", "running", "completed", "failed"
     STATUSES = [(s, s) for s in (QUEUED, RUNNING, COMPLETED, FAILED)]
     TERMINAL = frozenset({COMPLETED, FAILED})
-    MODES = [("sync", "sync"), ("async", "async"), ("batch", "batch")]
+    SYNC, ASYNC, BATCH = "sync", "async", "batch"
+    MODES = [(SYNC, SYNC), (ASYNC, ASYNC), (BATCH, BATCH)]
+    CHAT, TEXT = "chat.completions", "completions"
+    ENDPOINTS = [(CHAT, CHAT), (TEXT, TEXT)]
 
     id = models.CharField(primary_key=True, max_length=40, default=new_job_id)
     request_id = models.CharField(max_length=40, unique=True, default=new_request_id)
@@ -96,6 +117,8 @@ class Job(models.Model):
     )
     model = models.CharField(max_length=200)
     mode = models.CharField(max_length=8, choices=MODES, default="sync")
+    endpoint = models.CharField(max_length=32, choices=ENDPOINTS, default=CHAT)
+    session_affinity = models.CharField(max_length=200, blank=True)
     status = models.CharField(max_length=16, choices=STATUSES, default=QUEUED, db_index=True)
     request = models.JSONField()  # the API request body, as received
     prompt_token_ids = models.JSONField()
@@ -110,18 +133,44 @@ class Job(models.Model):
 
     objects = JobManager()
 
-    def start(self) -> bool:
+    def start(self, node: str = "") -> bool:
         """queued → running, once; False if another delivery got there first."""
         now = timezone.now()
-        claimed = Job.objects.filter(pk=self.pk, status=Job.QUEUED).update(
-            status=Job.RUNNING, started_at=now, attempts=models.F("attempts") + 1
-        )
-        if claimed:
-            self.status, self.started_at = Job.RUNNING, now
+        with transaction.atomic():
+            claimed = Job.objects.filter(pk=self.pk, status=Job.QUEUED).update(
+                status=Job.RUNNING,
+                started_at=now,
+                node=node,
+                attempts=models.F("attempts") + 1,
+            )
+            if claimed:
+                self.refresh_from_db(fields=["status", "started_at", "node", "attempts"])
+                self.emit("job.running")
         return bool(claimed)
 
-    def generation_message(self, reply_channel: str | None = None) -> dict[str, Any]:
-        """The broker message body a node serves this job from (inference.node.protocol)."""
+    def fail(self, error: str) -> bool:
+        """→ failed from queued or running, once (a job the control plane cannot hand on)."""
+        now = timezone.now()
+        with transaction.atomic():
+            failed = Job.objects.filter(pk=self.pk, status__in=[Job.QUEUED, Job.RUNNING]).update(
+                status=Job.FAILED, error=error, finished_at=now
+            )
+            if failed:
+                self.status, self.error, self.finished_at = Job.FAILED, error, now
+                self.emit("job.failed")
+        return bool(failed)
+
+    def emit(self, type: str) -> Event:
+        """Record a state change of this job in the org's event log (and push it)."""
+        from controlplane.jobs.serializers import job_object
+
+        return Event.objects.emit(self.org, type, job_object(self))
+
+    def generation_message(
+        self, reply_channel: str | None = None, deadline: float | None = None
+    ) -> dict[str, Any]:
+        """The broker message body a node serves this job from (inference.node.protocol);
+        `deadline` is epoch seconds after which the engine stops it."""
         return {
             "request_id": self.request_id,
             "job_id": self.id,
@@ -129,6 +178,6 @@ class Job(models.Model):
             "prompt_token_ids": self.prompt_token_ids,
             "sampling": self.sampling,
             "reply_channel": reply_channel,
-            "deadline": None,
+            "deadline": deadline,
             "attempt": self.attempts + 1,
         }

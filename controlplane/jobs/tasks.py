@@ -5,10 +5,20 @@ from __future__ import annotations
 import dramatiq
 
 from controlplane.jobs.models import Job
-from inference.node.protocol import CONTROLPLANE_QUEUE, RECORD_COMPLETION_ACTOR
+from inference.node.protocol import (
+    CONTROLPLANE_QUEUE,
+    RECORD_COMPLETION_ACTOR,
+    RECORD_STARTED_ACTOR,
+)
 
 
 @dramatiq.actor(actor_name=RECORD_COMPLETION_ACTOR, queue_name=CONTROLPLANE_QUEUE)
 def record_completion(payload: dict) -> None:
     """A node's result: settle the job and bill it, exactly once however often it arrives."""
     Job.objects.record_completion(payload)
+
+
+@dramatiq.actor(actor_name=RECORD_STARTED_ACTOR, queue_name=CONTROLPLANE_QUEUE)
+def record_started(payload: dict) -> None:
+    """A node took a job's request: mark it running (once; a late notice is a no-op)."""
+    Job.objects.record_started(payload)

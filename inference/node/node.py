@@ -27,6 +27,7 @@ from inference.errors import InvalidRequestError
 from inference.node.protocol import (
     CONTROLPLANE_QUEUE,
     RECORD_COMPLETION_ACTOR,
+    RECORD_STARTED_ACTOR,
     GenerationRequest,
     completion_payload,
     model_queue,
@@ -48,15 +49,20 @@ class _InFlight:
 class DeltaPublisher:
     """Sends token deltas to reply channels on a Channels layer from the node's sync loop.
 
-    The layer's API is async; a private event loop in a daemon thread runs the sends. Deltas are
-    best-effort (the result also travels in `record_completion`), so the loop never waits on them.
+    The layer's API is async; a private event loop in a daemon thread runs the sends, unless
+    `loop` names one that already runs (embedded mode: the in-memory layer's queues belong to the
+    server's loop). Deltas are best-effort (the result also travels in `record_completion`), so
+    the node never waits on them.
     """
 
-    def __init__(self, channel_layer) -> None:
+    def __init__(self, channel_layer, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.channel_layer = channel_layer
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        self.owns_loop = loop is None
+        self.loop = loop or asyncio.new_event_loop()
+        self.thread = None
+        if self.owns_loop:
+            self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+            self.thread.start()
 
     def send(self, channel: str, message: dict[str, Any]) -> None:
         future = asyncio.run_coroutine_threadsafe(
@@ -66,6 +72,8 @@ class DeltaPublisher:
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Deliver what is still in flight (up to `timeout_s`), then stop the loop."""
+        if not self.owns_loop:
+            return  # the loop's owner drains it
         drain = asyncio.run_coroutine_threadsafe(self._drain(), self.loop)
         try:
             drain.result(timeout=timeout_s)
@@ -115,6 +123,7 @@ class Node:
         for name in [*queues, CONTROLPLANE_QUEUE]:
             broker.declare_queue(name)
         prefetch = engine.config.max_num_seqs
+        self.poll_ms = poll_ms
         self.consumers = [broker.consume(q, prefetch=prefetch, timeout=poll_ms) for q in queues]
         self._last_heartbeat = 0.0
 
@@ -125,9 +134,15 @@ class Node:
         return max(0, self.engine.config.max_num_seqs - held)
 
     def pull(self) -> int:
-        """Take as many messages as the engine can admit; returns how many were taken."""
+        """Take as many messages as the engine can admit; returns how many were taken.
+
+        While the engine has work, an empty queue must not hold up its next step: the consumers
+        poll without waiting. An idle node waits up to `poll_ms` in all, split between its
+        queues, so a new request is picked up within that."""
         taken = 0
+        busy = self.engine.has_unfinished_requests()
         for consumer in self.consumers:
+            consumer.timeout = 0 if busy else max(1, self.poll_ms // len(self.consumers))
             while self.free_slots() > 0:
                 outstanding = sum(1 for f in self.inflight.values() if f.consumer is consumer)
                 consumer.prefetch = outstanding + self.free_slots()
@@ -153,6 +168,15 @@ class Node:
             self._reject(consumer, message, body, error)
             return
         self.inflight[request.request_id] = _InFlight(request, consumer, message)
+        self._enqueue(
+            RECORD_STARTED_ACTOR,
+            {
+                "request_id": request.request_id,
+                "job_id": request.job_id,
+                "attempt": request.attempt,
+                "node": self.node_id,
+            },
+        )
 
     def _reject(self, consumer, message, body, error: InvalidRequestError) -> None:
         """A request the engine can never serve: report it failed, and do not redeliver it."""
@@ -187,8 +211,17 @@ class Node:
         flight.token_ids.extend(output.token_ids)
         channel = flight.request.reply_channel
         if channel and self.publisher and (output.text or output.token_ids):
+            # Every delta says where it runs and what hit the cache, so a stream's first one can
+            # set the response headers.
             self.publisher.send(
-                channel, {"type": "delta", "text": output.text, "token_ids": output.token_ids}
+                channel,
+                {
+                    "type": "delta",
+                    "text": output.text,
+                    "token_ids": output.token_ids,
+                    "node": self.node_id,
+                    "cached_tokens": output.cached_tokens,
+                },
             )
         if not output.finished:
             return
@@ -209,10 +242,13 @@ class Node:
         del self.inflight[output.request_id]
 
     def _record(self, payload: dict[str, Any]) -> None:
+        self._enqueue(RECORD_COMPLETION_ACTOR, payload)
+
+    def _enqueue(self, actor_name: str, payload: dict[str, Any]) -> None:
         self.broker.enqueue(
             dramatiq.Message(
                 queue_name=CONTROLPLANE_QUEUE,
-                actor_name=RECORD_COMPLETION_ACTOR,
+                actor_name=actor_name,
                 args=(payload,),
                 kwargs={},
                 options={},

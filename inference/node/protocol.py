@@ -19,6 +19,7 @@ from inference.errors import InvalidRequestError
 
 GENERATE_ACTOR = "generate"
 RECORD_COMPLETION_ACTOR = "record_completion"
+RECORD_STARTED_ACTOR = "record_started"
 CONTROLPLANE_QUEUE = "default"
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 

@@ -57,11 +57,3 @@ def api(client):
             return client.get(path, **headers)
 
     return Api()
-
-
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory):
-    """A tiny random-weight Llama the test's node process serves."""
-    from tests.inference.tiny_models import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-cp"), "llama")

@@ -20,6 +20,7 @@ from inference.node.protocol import (
     CONTROLPLANE_QUEUE,
     GENERATE_ACTOR,
     RECORD_COMPLETION_ACTOR,
+    RECORD_STARTED_ACTOR,
     model_queue,
 )
 
@@ -61,15 +62,24 @@ def enqueue(broker, body: dict) -> None:
 
 
 def collect_results(broker, count: int, timeout_s: float = 60) -> dict[str, dict]:
-    consumer = broker.consume(CONTROLPLANE_QUEUE, prefetch=count, timeout=50)
+    """The `record_completion` payloads of `count` requests; each must have been preceded by its
+    `record_started` notice."""
+    consumer = broker.consume(CONTROLPLANE_QUEUE, prefetch=count * 2, timeout=50)
     results: dict[str, dict] = {}
+    started: set[str] = set()
     deadline = time.time() + timeout_s
     while len(results) < count and time.time() < deadline:
         message = next(consumer)
         if message is None:
             continue
-        assert message.actor_name == RECORD_COMPLETION_ACTOR
-        results[message.args[0]["request_id"]] = message.args[0]
+        request_id = message.args[0]["request_id"]
+        if message.actor_name == RECORD_STARTED_ACTOR:
+            started.add(request_id)
+        else:
+            assert message.actor_name == RECORD_COMPLETION_ACTOR
+            if not message.args[0]["error"]:
+                assert request_id in started, "record_started must precede the result"
+            results[request_id] = message.args[0]
         consumer.ack(message)
     consumer.close()
     return results

@@ -39,6 +39,8 @@ class Command(BaseCommand):
             settings.BROKER_URL,
             "--broker-namespace",
             settings.DRAMATIQ_BROKER.get("OPTIONS", {}).get("namespace", "dramatiq"),
+            "--channel-prefix",
+            settings.CHANNEL_PREFIX,
             "--dtype",
             options["dtype"],
             "--max-num-seqs",

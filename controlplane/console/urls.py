@@ -1,0 +1,2 @@
+# Placeholder until the console views land (helper owns this file).
+urlpatterns = []

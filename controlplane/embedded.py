@@ -1,0 +1,96 @@
+"""Embedded mode: Hearth in one process, with no other services (DESIGN §1).
+
+The gateway (uvicorn), a Dramatiq worker for the control plane's own queue on the StubBroker, the
+in-memory channel layer, SQLite, and one node per enabled catalog model, each in a thread of its
+own. The code paths are the production ones; only the backends differ. The in-memory layer's
+queues belong to the server's event loop, so the nodes' delta sends and the event pushes are run
+on that loop (DeltaPublisher(loop=…), events.push.bind_loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import dramatiq
+import uvicorn
+from channels.layers import get_channel_layer
+from django.conf import settings
+
+from controlplane.catalog.models import ServedModel
+from controlplane.catalog.registry import use_memory_heartbeat
+from controlplane.events.push import bind_loop
+from inference.engine import EngineConfig, LLMEngine
+from inference.node.heartbeat import MemoryHeartbeat
+from inference.node.node import DeltaPublisher, Node
+from inference.node.protocol import CONTROLPLANE_QUEUE
+
+logger = logging.getLogger(__name__)
+
+
+class EmbeddedHearth:
+    """Runs everything until `serve()` returns (SIGINT/SIGTERM stop uvicorn, then the rest)."""
+
+    def __init__(self, host: str, port: int, dtype: str = "bfloat16", kv_cache_mb: int = 256):
+        if not settings.EMBEDDED:
+            raise RuntimeError("embedded mode runs without REDIS_URL")
+        self.host, self.port = host, port
+        self.dtype, self.kv_cache_mb = dtype, kv_cache_mb
+        self.stop = threading.Event()
+        self.heartbeat = MemoryHeartbeat()
+        self.threads: list[threading.Thread] = []
+
+    def _start_worker(self) -> dramatiq.Worker:
+        import controlplane.jobs.tasks  # noqa: F401  (registers the control plane's actors)
+
+        broker = dramatiq.get_broker()
+        broker.declare_queue(CONTROLPLANE_QUEUE)
+        # Only the control plane's queue: the nodes' queues are declared on the same broker.
+        worker = dramatiq.Worker(broker, queues={CONTROLPLANE_QUEUE}, worker_threads=2)
+        worker.start()
+        return worker
+
+    def _start_nodes(self, loop: asyncio.AbstractEventLoop) -> None:
+        broker = dramatiq.get_broker()
+        for model in ServedModel.objects.filter(enabled=True).order_by("id"):
+            logger.info("loading %s", model.id)
+            engine = LLMEngine(
+                EngineConfig(
+                    model=model.source,
+                    dtype=self.dtype,
+                    kv_cache_memory_bytes=self.kv_cache_mb * 1024 * 1024,
+                    max_model_len=model.context_length,
+                )
+            )
+            publisher = DeltaPublisher(get_channel_layer(), loop=loop)
+            node = Node(engine, model.id, f"embedded-{model.id}", broker, publisher, self.heartbeat)
+            thread = threading.Thread(
+                target=node.run, args=(self.stop,), name=f"node-{model.id}", daemon=True
+            )
+            thread.start()
+            self.threads.append(thread)
+
+    async def serve(self) -> None:
+        from controlplane.asgi import application
+
+        loop = asyncio.get_running_loop()
+        bind_loop(loop)
+        use_memory_heartbeat(self.heartbeat)
+        worker = self._start_worker()
+        try:
+            # Engines load before the port opens: /healthz answering means nodes are serving.
+            await asyncio.to_thread(self._start_nodes, loop)
+            config = uvicorn.Config(
+                application, host=self.host, port=self.port, lifespan="off", log_level="warning"
+            )
+            server = uvicorn.Server(config)
+            print(f"Hearth is running at http://{self.host}:{self.port}/console/", flush=True)
+            await server.serve()
+        finally:
+            self.stop.set()
+            for thread in self.threads:
+                await asyncio.to_thread(thread.join, 10)
+            worker.stop()
+            bind_loop(None)
+            use_memory_heartbeat(None)

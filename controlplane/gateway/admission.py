@@ -1,0 +1,148 @@
+"""Admission of a completion request: everything between the HTTP body and the broker.
+
+One synchronous function, run off the event loop, so each request costs the loop one hop:
+authenticate, validate, tokenize with the model's own template, check the context length, pick a
+route, refuse at once when `reject_if_busy` finds no room, write the Job (and its `job.queued`
+event), enqueue. Every refusal happens before the Job row exists, so bad input writes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import dramatiq
+from django.conf import settings
+from django.db import close_old_connections
+
+from controlplane.accounts.authentication import principal_from_header
+from controlplane.accounts.models import KeyRejected
+from controlplane.catalog.models import ServedModel
+from controlplane.catalog.registry import live_nodes
+from controlplane.gateway.errors import ApiError
+from controlplane.gateway.routing import Route, choose_route
+from controlplane.gateway.tokenization import prompt_token_ids, tokenizer_for
+from controlplane.gateway.validation import CompletionRequest, validate_completion_request
+from controlplane.jobs.models import Job
+from inference.node.protocol import GENERATE_ACTOR
+
+logger = logging.getLogger(__name__)
+# Heartbeats come every 2 s: by then a busy node's free slots have been reported afresh.
+RETRY_AFTER_S = 2
+
+
+@dataclass
+class Admission:
+    """An admitted request: its job, where it went, and what the caller asked for."""
+
+    job: Job
+    request: CompletionRequest
+    route: Route
+    prompt_tokens: int
+
+
+def _parse(body: bytes):
+    try:
+        return json.loads(body or b"null")
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ApiError(
+            400, f"The request body is not valid JSON: {error}", code="invalid_json"
+        ) from None
+
+
+def _check_context(request: CompletionRequest, model: ServedModel, prompt_len: int) -> int:
+    """The request's max_tokens, defaulting to what the context leaves; 400 when it cannot fit."""
+    param = "messages" if request.messages is not None else "prompt"
+    room = model.context_length - prompt_len
+    if room < 1:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {model.context_length} tokens; the prompt "
+            f"has {prompt_len}.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    if request.max_tokens is not None and request.max_tokens > room:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {model.context_length} tokens; the prompt "
+            f"has {prompt_len} and max_tokens asks for {request.max_tokens}.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return request.max_tokens or room
+
+
+def _enqueue(queue: str, body: dict) -> None:
+    broker = dramatiq.get_broker()
+    broker.declare_queue(queue)  # the stub broker refuses undeclared queues; Redis's is a no-op
+    broker.enqueue(
+        dramatiq.Message(
+            queue_name=queue, actor_name=GENERATE_ACTOR, args=(body,), kwargs={}, options={}
+        )
+    )
+
+
+def admit(
+    authorization: str,
+    body: bytes,
+    endpoint: str,
+    session_affinity: str | None,
+    reply_channel: str | None,
+) -> Admission:
+    """Admit one request or raise ApiError; see the module docstring for the steps."""
+    try:
+        return _admit(authorization, body, endpoint, session_affinity, reply_channel)
+    finally:
+        close_old_connections()  # hands the connection back to the pool; this is no request thread
+
+
+def _admit(authorization, body, endpoint, session_affinity, reply_channel) -> Admission:
+    try:
+        principal = principal_from_header(authorization)
+    except KeyRejected as rejected:
+        raise ApiError(401, str(rejected), code=rejected.code) from None
+    request = validate_completion_request(_parse(body), endpoint)
+    model = ServedModel.objects.filter(id=request.model, enabled=True).first()
+    if model is None:
+        raise ApiError(
+            404, f"The model '{request.model}' does not exist.", "model", "model_not_found"
+        )
+    tokenizer = tokenizer_for(model.source)
+    token_ids = prompt_token_ids(tokenizer, request.messages, request.prompt)
+    max_tokens = _check_context(request, model, len(token_ids))
+    route = choose_route(model.id, live_nodes(model.id), session_affinity)
+    if request.reject_if_busy and not route.has_room:
+        raise ApiError(
+            429,
+            "No node serving this model has room for the request now; retry later, or leave "
+            "out reject_if_busy to wait in the queue.",
+            code="out_of_capacity",
+            headers={"retry-after": str(RETRY_AFTER_S)},
+        )
+    sampling = {"temperature": 1.0, **request.sampling, "max_tokens": max_tokens}
+    job = Job.objects.submit(
+        org=principal.org,
+        api_key=principal.api_key,
+        model=model.id,
+        mode=Job.ASYNC if request.queue else Job.SYNC,
+        endpoint=endpoint,
+        session_affinity=session_affinity or "",
+        request=_parse(body),
+        prompt_token_ids=token_ids,
+        sampling=sampling,
+    )
+    deadline = None if request.queue else time.time() + settings.SYNC_REQUEST_TIMEOUT_S
+    try:
+        _enqueue(
+            route.queue, job.generation_message(None if request.queue else reply_channel, deadline)
+        )
+    except Exception as error:
+        logger.exception("enqueue of %s failed", job.id)
+        job.fail(f"the broker refused the request: {error}")
+        raise ApiError(
+            503, "The request could not be queued; try again.", code="broker_unavailable"
+        ) from error
+    return Admission(job=job, request=request, route=route, prompt_tokens=len(token_ids))

@@ -1,0 +1,147 @@
+"""`POST /v1/chat/completions` and `POST /v1/completions`: async views.
+
+Admission (auth, validation, tokenization, the Job row, the enqueue) runs in a worker thread; the
+event loop then only waits on the reply channel, so hundreds of open streams cost no threads. A
+queued request (`queue: true`) answers 202 with its job at once. A synchronous one relays the
+node's deltas: as SSE chunks when it streams, or gathered into one response when it does not.
+The node's `done` message carries the same usage the worker bills (`record_completion`), so the
+response and its usage row agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+from asgiref.sync import sync_to_async
+from channels.layers import get_channel_layer
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from controlplane.gateway.admission import Admission, admit
+from controlplane.gateway.errors import ApiError
+from controlplane.gateway.responses import completion_response, stream_chunk
+from controlplane.jobs.models import Job
+from controlplane.jobs.serializers import job_object
+
+
+@csrf_exempt
+async def chat_completions(request: HttpRequest) -> HttpResponse:
+    return await _complete(request, Job.CHAT)
+
+
+@csrf_exempt
+async def completions(request: HttpRequest) -> HttpResponse:
+    return await _complete(request, Job.TEXT)
+
+
+async def _complete(request: HttpRequest, endpoint: str) -> HttpResponse:
+    if request.method != "POST":
+        return ApiError(405, f"Use POST for /v1/{endpoint}.", code="method_not_allowed").response()
+    layer = get_channel_layer()
+    reply_channel = await layer.new_channel()
+    try:
+        admission = await sync_to_async(admit, thread_sensitive=False)(
+            request.headers.get("Authorization", ""),
+            request.body,
+            endpoint,
+            request.headers.get("x-session-affinity") or None,
+            reply_channel,
+        )
+    except ApiError as error:
+        return error.response()
+    if admission.request.queue:
+        response = JsonResponse(job_object(admission.job), status=202)
+        return _with_headers(response, admission, admission.route.node, None)
+    deadline = time.monotonic() + settings.SYNC_REQUEST_TIMEOUT_S
+    try:
+        first = await _receive(layer, reply_channel, deadline)
+        if admission.request.stream:
+            return _stream(layer, reply_channel, deadline, admission, first)
+        done = first
+        while done["type"] == "delta":
+            done = await _receive(layer, reply_channel, deadline)
+    except ApiError as error:
+        return _with_headers(error.response(), admission, admission.route.node, None)
+    job = admission.job
+    body = completion_response(
+        endpoint,
+        job.request_id,
+        job.model,
+        int(job.created.timestamp()),
+        done["text"],
+        done["finish_reason"],
+        done["usage"],
+    )
+    return _with_headers(
+        JsonResponse(body), admission, done.get("node"), done["usage"]["cached_tokens"]
+    )
+
+
+async def _receive(layer, channel: str, deadline: float) -> dict:
+    """The next message for this request; ApiError for a node's error or a timeout."""
+    remaining = deadline - time.monotonic()
+    try:
+        message = await asyncio.wait_for(layer.receive(channel), timeout=max(remaining, 0.001))
+    except TimeoutError:
+        raise ApiError(
+            504,
+            f"No answer within {settings.SYNC_REQUEST_TIMEOUT_S:g} s; the request is still "
+            "queued as a job. Use queue: true for work that may wait.",
+            code="timeout",
+        ) from None
+    if message["type"] == "error":
+        raise ApiError(400, message["message"], param=message.get("param"), code="invalid_request")
+    return message
+
+
+def _with_headers(response, admission: Admission, node: str | None, cached: int | None):
+    response["x-request-id"] = admission.job.request_id
+    if node:
+        response["x-hearth-node"] = node
+    if cached is not None:
+        response["x-hearth-cached-tokens"] = str(cached)
+    return response
+
+
+def _sse(payload: dict) -> bytes:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+
+def _stream(layer, channel: str, deadline: float, admission: Admission, first: dict):
+    job, request = admission.job, admission.request
+    created = int(job.created.timestamp())
+
+    def chunk(**fields) -> bytes:
+        body = stream_chunk(job.endpoint, job.request_id, job.model, created, **fields)
+        if not request.include_usage:
+            body.pop("usage")
+        return _sse(body)
+
+    async def events() -> AsyncIterator[bytes]:
+        message = first
+        if job.endpoint == Job.CHAT:
+            yield chunk(text="", first=True)
+        while message["type"] == "delta":
+            if message["text"]:
+                yield chunk(text=message["text"])
+            try:
+                message = await _receive(layer, channel, deadline)
+            except ApiError as error:
+                yield _sse({"error": {"message": error.message, "code": error.code}})
+                return
+        yield chunk(
+            text=None if job.endpoint == Job.CHAT else "",
+            engine_finish_reason=message["finish_reason"],
+        )
+        if request.include_usage:
+            yield chunk(usage=message["usage"])
+        yield b"data: [DONE]\n\n"
+
+    response = StreamingHttpResponse(events(), content_type="text/event-stream")
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"
+    return _with_headers(response, admission, first.get("node"), first.get("cached_tokens"))

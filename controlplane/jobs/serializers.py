@@ -1,0 +1,47 @@
+"""The job object as the API, the event log and the console show it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from controlplane.gateway.responses import completion_response, usage_object
+
+
+def _epoch(moment) -> int | None:
+    return int(moment.timestamp()) if moment else None
+
+
+def job_object(job) -> dict[str, Any]:
+    """`{"id": "job_…", "object": "job", "status", …}`; a completed job carries the full
+    completion `response` (what the sync request would have answered), `usage` and `cost`."""
+    result = job.result or {}
+    created = _epoch(job.created)
+    response = None
+    if job.status == job.COMPLETED and result:
+        response = completion_response(
+            job.endpoint,
+            job.request_id,
+            job.model,
+            created,
+            result["text"],
+            result["finish_reason"],
+            result["usage"],
+        )
+    return {
+        "id": job.id,
+        "object": "job",
+        "status": job.status,
+        "model": job.model,
+        "mode": job.mode,
+        "endpoint": f"/v1/{job.endpoint}",
+        "request_id": job.request_id,
+        "created": created,
+        "started_at": _epoch(job.started_at),
+        "finished_at": _epoch(job.finished_at),
+        "node": job.node or None,
+        "attempts": job.attempts,
+        "usage": usage_object(result["usage"]) if result.get("usage") else None,
+        "cost": result.get("cost"),
+        "response": response,
+        "error": {"message": job.error, "code": "generation_failed"} if job.error else None,
+    }

@@ -1,0 +1,13 @@
+"""Fixtures shared by the control-plane and multi-process tests."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A tiny random-weight Llama with a ChatML tokenizer, for the nodes the tests run."""
+    from tests.inference.tiny_models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-cp"), "llama")

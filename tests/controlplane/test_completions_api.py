@@ -1,0 +1,148 @@
+"""Bad input to the completion endpoints: OpenAI's error shape, the right status, and no row.
+
+No node runs here: every refusal must happen before anything is queued. The views run admission
+in a worker thread with its own database connection, so these tests commit their fixtures
+(transaction=True) for that thread to see them.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.utils import timezone
+
+from controlplane.accounts.models import ApiKey
+from controlplane.billing.models import UsageRecord
+from controlplane.catalog.models import Price, ServedModel
+from controlplane.events.models import Event
+from controlplane.jobs.models import Job
+from tests.controlplane.openai_spec import validate
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+CHAT = "/v1/chat/completions"
+TEXT = "/v1/completions"
+
+
+@pytest.fixture
+def tiny(tiny_llama_dir):
+    model = ServedModel.objects.create(id="tiny", source=str(tiny_llama_dir), context_length=64)
+    Price.objects.create(
+        model=model,
+        input_per_mtok=Decimal("0.60"),
+        cached_input_per_mtok=Decimal("0.10"),
+        output_per_mtok=Decimal("3.00"),
+    )
+    return model
+
+
+@pytest.fixture
+def post(client):
+    def post(path: str, body, key: str | None = None, raw: bool = False, **headers):
+        if key is not None:
+            headers["HTTP_AUTHORIZATION"] = f"Bearer {key}"
+        data = body if raw else json.dumps(body)
+        return client.post(path, data=data, content_type="application/json", **headers)
+
+    return post
+
+
+def chat(**fields) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], **fields}
+
+
+def assert_refused(response, status: int, code: str, param: str | None = None) -> dict:
+    assert response.status_code == status, response.content
+    body = response.json()
+    validate(body, "ErrorResponse")
+    assert body["error"]["code"] == code
+    if param is not None:
+        assert body["error"]["param"] == param
+    assert not Job.objects.exists() and not UsageRecord.objects.exists()
+    assert not Event.objects.exists()
+    return body
+
+
+def test_it_refuses_a_request_without_a_key(post, tiny):
+    assert_refused(post(CHAT, chat()), 401, "missing_api_key")
+
+
+def test_it_refuses_a_malformed_key(post, tiny):
+    assert_refused(post(CHAT, chat(), key="hk_nothex_short"), 401, "invalid_api_key")
+
+
+def test_it_refuses_a_revoked_key(post, tiny, key_a):
+    ApiKey.objects.get().revoke()
+    assert_refused(post(CHAT, chat(), key=key_a), 401, "revoked_api_key")
+
+
+def test_it_refuses_an_expired_key(post, tiny, key_a):
+    ApiKey.objects.update(expires_at=timezone.now() - timedelta(seconds=1))
+    assert_refused(post(TEXT, {"model": "tiny", "prompt": "hi"}, key=key_a), 401, "expired_api_key")
+
+
+def test_it_refuses_malformed_json(post, tiny, key_a):
+    assert_refused(post(CHAT, b'{"model": "tiny",', key=key_a, raw=True), 400, "invalid_json")
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "code"),
+    [
+        ({"temperature": "hot"}, "temperature", "invalid_type"),
+        ({"max_tokens": "5"}, "max_tokens", "invalid_type"),
+        ({"stream": "yes"}, "stream", "invalid_type"),
+        ({"messages": "hello"}, "messages", "invalid_type"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", "invalid_value"),
+        ({"stop": [1, 2]}, "stop", "invalid_type"),
+        ({"top_p": 0}, "top_p", "invalid_value"),
+        ({"model": 7}, "model", "invalid_type"),
+        ({"frobnicate": 1}, "frobnicate", "unknown_parameter"),
+    ],
+)
+def test_it_names_the_field_of_the_wrong_type_or_value(post, tiny, key_a, fields, param, code):
+    assert_refused(post(CHAT, chat(**fields), key=key_a), 400, code, param)
+
+
+def test_it_refuses_an_unknown_model(post, tiny, key_a):
+    assert_refused(post(CHAT, chat(model="gpt-9"), key=key_a), 404, "model_not_found", "model")
+
+
+def test_it_refuses_a_prompt_over_the_context_length(post, tiny, key_a):
+    long_prompt = "hello world " * 100
+    body = {"model": "tiny", "prompt": long_prompt}
+    assert_refused(post(TEXT, body, key=key_a), 400, "context_length_exceeded", "prompt")
+
+
+def test_it_refuses_max_tokens_beyond_the_context(post, tiny, key_a):
+    body = chat(max_tokens=64)
+    assert_refused(post(CHAT, body, key=key_a), 400, "context_length_exceeded", "max_tokens")
+
+
+@pytest.mark.parametrize("max_tokens", [0, -3])
+def test_it_refuses_max_tokens_below_one(post, tiny, key_a, max_tokens):
+    body = chat(max_tokens=max_tokens)
+    assert_refused(post(CHAT, body, key=key_a), 400, "invalid_value", "max_tokens")
+
+
+def test_it_refuses_features_that_are_not_built_yet(post, tiny, key_a):
+    body = chat(response_format={"type": "json_object"})
+    assert_refused(post(CHAT, body, key=key_a), 400, "unsupported", "response_format")
+
+
+def test_reject_if_busy_refuses_at_once_when_no_node_has_room(post, tiny, key_a):
+    response = post(CHAT, chat(reject_if_busy=True), key=key_a)
+    assert_refused(response, 429, "out_of_capacity")
+    assert int(response["retry-after"]) >= 1
+
+
+def test_another_orgs_job_is_not_found(api, tiny, org_a, key_b):
+    job = Job.objects.create(
+        org=org_a, model="tiny", request={}, prompt_token_ids=[1, 2], sampling={}
+    )
+    response = api.get(f"/v1/jobs/{job.id}", key_b)
+    assert response.status_code == 404
+    validate(response.json(), "ErrorResponse")
+    assert response.json()["error"]["code"] == "job_not_found"

@@ -1,0 +1,66 @@
+"""Fixtures for the multi-process tests: Hearth's production mode against the test database."""
+
+from __future__ import annotations
+
+import os
+from decimal import Decimal
+
+import pytest
+from django.conf import settings
+
+from controlplane.accounts.models import ApiKey, Org
+from controlplane.catalog.models import Price, ServedModel
+from tests.e2e.stack import ProductionStack
+
+
+def test_database_url() -> str:
+    database = settings.DATABASES["default"]
+    return f"postgres://{database['USER']}@{database['HOST']}:{database['PORT']}/{database['NAME']}"
+
+
+test_database_url.__test__ = False  # a helper, not a test
+
+
+@pytest.fixture
+def tiny_model(tiny_llama_dir):
+    """A catalog model served from tiny random weights, under an id of this test run's own (the
+    node registry in Redis is shared by every run on the machine)."""
+    model = ServedModel.objects.create(
+        id=f"tiny-{os.getpid()}", source=str(tiny_llama_dir), context_length=256
+    )
+    Price.objects.create(
+        model=model,
+        input_per_mtok=Decimal("0.60"),
+        cached_input_per_mtok=Decimal("0.10"),
+        output_per_mtok=Decimal("3.00"),
+    )
+    return model
+
+
+@pytest.fixture
+def acme_key(transactional_db):
+    org = Org.objects.create(slug="acme", name="Acme")
+    _, key = ApiKey.objects.create_key(org, "e2e")
+    return key
+
+
+@pytest.fixture
+def stack(transactional_db, tmp_path):
+    """Gateway and worker started; each test starts the nodes it needs."""
+    running = ProductionStack(
+        test_database_url(),
+        settings.DRAMATIQ_BROKER["OPTIONS"]["url"],
+        f"{settings.TEST_BROKER_NAMESPACE}-{tmp_path.name}",
+        tmp_path,
+    )
+    running.start_gateway()
+    running.start_worker()
+    try:
+        yield running
+    finally:
+        running.stop()
+        import redis
+
+        client = redis.Redis.from_url(settings.DRAMATIQ_BROKER["OPTIONS"]["url"])
+        for key in client.scan_iter(match=f"{running.env['HEARTH_BROKER_NAMESPACE']}*"):
+            client.delete(key)
