@@ -63,6 +63,14 @@ class JobManager(models.Manager["Job"]):
                 return False
             now = timezone.now()
             job.node = payload.get("node") or ""
+            if payload.get("error") is None and job.status == Job.QUEUED:
+                # The worker took the result before the node's `record_started` notice (they are
+                # separate messages): the job did run, so it passes through running here, and
+                # the late notice finds it no longer queued.
+                job.status, job.started_at = Job.RUNNING, now
+                job.attempts += 1
+                job.save(update_fields=["status", "started_at", "node", "attempts"])
+                job.emit("job.running")
             job.finished_at = now
             job.started_at = job.started_at or now
             if payload.get("error"):

@@ -57,6 +57,7 @@ class DeltaPublisher:
 
     def __init__(self, channel_layer, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.channel_layer = channel_layer
+        self._tails: dict[str, asyncio.Task] = {}
         self.owns_loop = loop is None
         self.loop = loop or asyncio.new_event_loop()
         self.thread = None
@@ -65,10 +66,24 @@ class DeltaPublisher:
             self.thread.start()
 
     def send(self, channel: str, message: dict[str, Any]) -> None:
-        future = asyncio.run_coroutine_threadsafe(
-            self.channel_layer.send(channel, message), self.loop
-        )
+        """Queue `message` for `channel`; messages to one channel arrive in the order sent."""
+        future = asyncio.run_coroutine_threadsafe(self._send_in_order(channel, message), self.loop)
         future.add_done_callback(_log_failed_send)
+
+    async def _send_in_order(self, channel: str, message: dict[str, Any]) -> None:
+        # Each send is a task of its own, and a Redis send awaits several round trips, so two
+        # sends to one channel could overtake each other: each waits for the one before it.
+        # Tasks start in the order `send` scheduled them, so the chain follows that order.
+        previous = self._tails.get(channel)
+        current = asyncio.current_task()
+        self._tails[channel] = current
+        try:
+            if previous is not None:
+                await asyncio.wait([previous])
+            await self.channel_layer.send(channel, message)
+        finally:
+            if self._tails.get(channel) is current:
+                del self._tails[channel]
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Deliver what is still in flight (up to `timeout_s`), then stop the loop."""

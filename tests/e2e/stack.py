@@ -143,3 +143,101 @@ class ProductionStack:
 
     def outputs(self) -> str:
         return "\n".join(f"--- {name}\n{self.output(name)}" for name in self.processes)
+
+
+class EmbeddedServer:
+    """`manage.py serve` (embedded mode: SQLite, in-process worker and node) in a subprocess,
+    on a fresh data directory, serving one tiny model as `model_id`."""
+
+    def __init__(self, data_dir: Path, model_id: str, model_source: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.data_dir = data_dir
+        self.env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("DATABASE_URL", "REDIS_URL", "BROKER_URL")
+        }
+        self.env.update(
+            DJANGO_SETTINGS_MODULE="controlplane.settings",
+            HEARTH_DATA_DIR=str(data_dir),
+            HEARTH_ALLOWED_HOSTS="127.0.0.1,localhost",
+            HEARTH_CSRF_TRUSTED_ORIGINS=self.url,
+            PYTHONUNBUFFERED="1",
+        )
+        self.model_id, self.model_source = model_id, model_source
+        self.process: subprocess.Popen | None = None
+        self.api_key = ""
+
+    def manage(self, *argv: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "manage.py", *argv],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"manage.py {argv[0]} failed:\n{done.stdout}\n{done.stderr}")
+        return done.stdout
+
+    def start(self, timeout_s: float = 120) -> None:
+        self.manage("migrate", "-v0")
+        demo = self.manage("demo", "--url", self.url)
+        self.api_key = next(
+            line.split()[-1] for line in demo.splitlines() if line.startswith("API key:")
+        )
+        self.manage(
+            "addmodel",
+            self.model_id,
+            "--source",
+            str(self.model_source),
+            "--context-length",
+            "256",
+            "--input",
+            "0.60",
+            "--cached-input",
+            "0.10",
+            "--output",
+            "3.00",
+        )
+        # Only the tiny model: the demo's SmolLM2 would take the node seconds to load.
+        self.manage(
+            "shell",
+            "-c",
+            "from controlplane.catalog.models import ServedModel; "
+            f"ServedModel.objects.exclude(id={self.model_id!r}).update(enabled=False)",
+        )
+        log = open(self.data_dir / "serve.log", "w")  # noqa: SIM115 (closed with the process)
+        self.process = subprocess.Popen(
+            [sys.executable, "manage.py", "serve", "--port", str(self.port), "--dtype", "float32"],
+            cwd=ROOT,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"serve exited early:\n{self.output()}")
+            try:
+                urllib.request.urlopen(f"{self.url}/healthz", timeout=2)
+                return
+            except OSError:
+                time.sleep(0.2)
+        raise TimeoutError(f"serve not ready in {timeout_s} s:\n{self.output()}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def output(self) -> str:
+        path = self.data_dir / "serve.log"
+        return path.read_text()[-4000:] if path.exists() else ""

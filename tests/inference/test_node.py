@@ -226,3 +226,23 @@ def test_node_process_serves_heartbeats_and_stops_on_sigterm(tiny_llama_dir, bro
         process.send_signal(signal.SIGTERM)
         output, _ = process.communicate(timeout=60)
     assert process.returncode == 0, output
+
+
+def test_deltas_to_one_channel_arrive_in_the_order_sent(channel_layer):
+    """Each send is its own task on the publisher's loop; Redis round trips must not let a
+    later delta overtake an earlier one (found by the production-stack test)."""
+    publisher = DeltaPublisher(channel_layer)
+    channel = async_to_sync(channel_layer.new_channel)()
+    try:
+        for index in range(200):
+            publisher.send(channel, {"type": "delta", "index": index})
+
+        async def receive_all() -> list[int]:
+            return [
+                (await asyncio.wait_for(channel_layer.receive(channel), timeout=10))["index"]
+                for _ in range(200)
+            ]
+
+        assert async_to_sync(receive_all)() == list(range(200))
+    finally:
+        publisher.close()
