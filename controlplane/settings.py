@@ -192,7 +192,8 @@ if REDIS_URL:
             "CONFIG": {
                 "hosts": [{"address": REDIS_URL, "socket_timeout": 30}],
                 "prefix": CHANNEL_PREFIX,
-                "capacity": 1000,
+                # Checked by the sender, per receiving process: a gateway's streams share it.
+                "capacity": 10_000,
             },
         }
     }

@@ -1,28 +1,46 @@
 """Pushing events to an org's live listeners (the console's WebSockets) over the channel layer.
 
-Pushes come from sync code: the gateway's admission thread and the worker's actors. In production
-`async_to_sync` runs the send on a loop of its own, which the Redis layer is happy with. The
-in-memory layer of embedded mode keeps asyncio queues that belong to the server's event loop, so
-there a send must run on that loop: the embedded server registers it with `bind_loop`.
+Pushes come from sync code (the gateway's admission thread, the worker's actors) and must not
+make it wait: a push is scheduled on an event loop and the caller moves on. In production that
+is a private loop in a daemon thread, started on first use (`async_to_sync` would build a loop
+per call, about 2 ms a push). The in-memory layer of embedded mode keeps asyncio queues that
+belong to the server's event loop, so there a push must run on that loop: the embedded server
+registers it with `bind_loop`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
+import threading
 from typing import Any
 
-from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 
-logger = logging.getLogger(__name__)
+from inference.node.node import DeltaPublisher
+
 _server_loop: asyncio.AbstractEventLoop | None = None
+_publisher: DeltaPublisher | None = None
+_lock = threading.Lock()
 
 
 def bind_loop(loop: asyncio.AbstractEventLoop | None) -> None:
     """Run every push on `loop` (embedded mode's in-memory channel layer); None unbinds."""
-    global _server_loop
-    _server_loop = loop
+    global _server_loop, _publisher
+    with _lock:
+        _server_loop, _publisher = loop, None
+
+
+def _get_publisher() -> DeltaPublisher | None:
+    global _publisher
+    with _lock:
+        if _publisher is None:
+            layer = get_channel_layer()
+            if layer is None:
+                return None
+            # Without a server loop the publisher runs one of its own in a daemon thread. It
+            # keeps each group's pushes in order: job.running never overtakes job.queued.
+            _publisher = DeltaPublisher(layer, loop=_server_loop)
+        return _publisher
 
 
 def org_group(org_id: int) -> str:
@@ -32,16 +50,6 @@ def org_group(org_id: int) -> str:
 
 def push_to_org(org_id: int, event: dict[str, Any]) -> None:
     """Best effort: the event row is already committed, so a lost push loses nothing."""
-    layer = get_channel_layer()
-    if layer is None:
-        return
-    message = {"type": "event.message", "event": event}
-    try:
-        if _server_loop is not None:
-            asyncio.run_coroutine_threadsafe(
-                layer.group_send(org_group(org_id), message), _server_loop
-            )
-        else:
-            async_to_sync(layer.group_send)(org_group(org_id), message)
-    except Exception:  # a push must never fail the state change it announces
-        logger.exception("event push to org %s failed", org_id)
+    publisher = _get_publisher()
+    if publisher is not None:
+        publisher.group_send(org_group(org_id), {"type": "event.message", "event": event})

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
+from django.db import close_old_connections
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
@@ -58,12 +59,12 @@ async def _complete(request: HttpRequest, endpoint: str) -> HttpResponse:
         return _with_headers(response, admission, admission.route.node, None)
     deadline = time.monotonic() + settings.SYNC_REQUEST_TIMEOUT_S
     try:
-        first = await _receive(layer, reply_channel, deadline)
+        first = await _receive(layer, reply_channel, deadline, admission.job)
         if admission.request.stream:
             return _stream(layer, reply_channel, deadline, admission, first)
         done = first
         while done["type"] == "delta":
-            done = await _receive(layer, reply_channel, deadline)
+            done = await _receive(layer, reply_channel, deadline, admission.job)
     except ApiError as error:
         return _with_headers(error.response(), admission, admission.route.node, None)
     job = admission.job
@@ -81,21 +82,49 @@ async def _complete(request: HttpRequest, endpoint: str) -> HttpResponse:
     )
 
 
-async def _receive(layer, channel: str, deadline: float) -> dict:
-    """The next message for this request; ApiError for a node's error or a timeout."""
-    remaining = deadline - time.monotonic()
+# How long a reply channel may stay quiet before the gateway looks at the job itself: a delta is
+# best-effort, and a lost `done` must not leave the client waiting when the job has its result.
+QUIET_S = 2.0
+
+
+async def _receive(layer, channel: str, deadline: float, job: Job) -> dict:
+    """The next message for this request; ApiError for a node's error or a timeout. When the
+    channel stays quiet, a job already settled by `record_completion` answers instead."""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise ApiError(
+                504,
+                f"No answer within {settings.SYNC_REQUEST_TIMEOUT_S:g} s; the request is still "
+                "queued as a job. Use queue: true for work that may wait.",
+                code="timeout",
+            )
+        try:
+            message = await asyncio.wait_for(
+                layer.receive(channel), timeout=min(remaining, QUIET_S)
+            )
+        except TimeoutError:
+            message = await sync_to_async(_settled_message, thread_sensitive=False)(job.pk)
+            if message is None:
+                continue
+        if message["type"] == "error":
+            raise ApiError(
+                400, message["message"], param=message.get("param"), code="invalid_request"
+            )
+        return message
+
+
+def _settled_message(job_pk: str) -> dict | None:
+    """A `done` or `error` message rebuilt from the job's row, or None while it is unsettled."""
     try:
-        message = await asyncio.wait_for(layer.receive(channel), timeout=max(remaining, 0.001))
-    except TimeoutError:
-        raise ApiError(
-            504,
-            f"No answer within {settings.SYNC_REQUEST_TIMEOUT_S:g} s; the request is still "
-            "queued as a job. Use queue: true for work that may wait.",
-            code="timeout",
-        ) from None
-    if message["type"] == "error":
-        raise ApiError(400, message["message"], param=message.get("param"), code="invalid_request")
-    return message
+        job = Job.objects.filter(pk=job_pk).first()
+    finally:
+        close_old_connections()
+    if job is None or job.status not in Job.TERMINAL:
+        return None
+    if job.status == Job.FAILED:
+        return {"type": "error", "message": job.error, "param": None}
+    return {"type": "done", "node": job.node, **job.result}
 
 
 def _with_headers(response, admission: Admission, node: str | None, cached: int | None):
@@ -123,16 +152,25 @@ def _stream(layer, channel: str, deadline: float, admission: Admission, first: d
 
     async def events() -> AsyncIterator[bytes]:
         message = first
+        sent = []
         if job.endpoint == Job.CHAT:
             yield chunk(text="", first=True)
         while message["type"] == "delta":
             if message["text"]:
+                sent.append(message["text"])
                 yield chunk(text=message["text"])
             try:
-                message = await _receive(layer, channel, deadline)
+                message = await _receive(layer, channel, deadline, job)
             except ApiError as error:
                 yield _sse({"error": {"message": error.message, "code": error.code}})
                 return
+        # The full text beyond the deltas relayed so far: non-empty only when the last deltas
+        # were lost and the answer came from `done` or the job's row. (A lost delta in the middle
+        # cannot be repaired in a stream already sent; the job keeps the full text.)
+        relayed = "".join(sent)
+        missing = message["text"][len(relayed) :] if message["text"].startswith(relayed) else ""
+        if missing:
+            yield chunk(text=missing)
         yield chunk(
             text=None if job.endpoint == Job.CHAT else "",
             engine_finish_reason=message["finish_reason"],

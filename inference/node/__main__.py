@@ -28,6 +28,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--broker-url", help="amqp://… for RabbitMQ; default: --redis-url")
     parser.add_argument("--broker-namespace", default="dramatiq")
     parser.add_argument("--channel-prefix", default="asgi")
+    # channels_redis checks capacity on the sender's side, per receiving process: every stream
+    # a gateway relays shares one Redis key, so the default 100 drops deltas under load.
+    parser.add_argument("--channel-capacity", type=int, default=10_000)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--kv-cache-mb", type=int, default=512)
@@ -61,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     broker = make_broker(args)
     publisher = DeltaPublisher(
-        RedisChannelLayer(hosts=[args.redis_url], prefix=args.channel_prefix)
+        RedisChannelLayer(
+            hosts=[args.redis_url], prefix=args.channel_prefix, capacity=args.channel_capacity
+        )
     )
     heartbeat = RedisHeartbeat(redis.Redis.from_url(args.redis_url))
     node = Node(engine, args.model, args.node_id, broker, publisher, heartbeat)

@@ -67,23 +67,30 @@ class DeltaPublisher:
 
     def send(self, channel: str, message: dict[str, Any]) -> None:
         """Queue `message` for `channel`; messages to one channel arrive in the order sent."""
-        future = asyncio.run_coroutine_threadsafe(self._send_in_order(channel, message), self.loop)
+        self._schedule(channel, lambda: self.channel_layer.send(channel, message))
+
+    def group_send(self, group: str, message: dict[str, Any]) -> None:
+        """Queue `message` for every channel of `group`, in order with the group's others."""
+        self._schedule(f"group:{group}", lambda: self.channel_layer.group_send(group, message))
+
+    def _schedule(self, key: str, make_send) -> None:
+        future = asyncio.run_coroutine_threadsafe(self._in_order(key, make_send), self.loop)
         future.add_done_callback(_log_failed_send)
 
-    async def _send_in_order(self, channel: str, message: dict[str, Any]) -> None:
+    async def _in_order(self, key: str, make_send) -> None:
         # Each send is a task of its own, and a Redis send awaits several round trips, so two
         # sends to one channel could overtake each other: each waits for the one before it.
-        # Tasks start in the order `send` scheduled them, so the chain follows that order.
-        previous = self._tails.get(channel)
+        # Tasks start in the order `_schedule` made them, so the chain follows that order.
+        previous = self._tails.get(key)
         current = asyncio.current_task()
-        self._tails[channel] = current
+        self._tails[key] = current
         try:
             if previous is not None:
                 await asyncio.wait([previous])
-            await self.channel_layer.send(channel, message)
+            await make_send()
         finally:
-            if self._tails.get(channel) is current:
-                del self._tails[channel]
+            if self._tails.get(key) is current:
+                del self._tails[key]
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Deliver what is still in flight (up to `timeout_s`), then stop the loop."""
@@ -103,7 +110,7 @@ class DeltaPublisher:
 
 def _log_failed_send(future) -> None:
     if future.exception() is not None:
-        logger.warning("delta not delivered: %s", future.exception())
+        logger.warning("delta not delivered: %r", future.exception())
 
 
 HeartbeatSink = Callable[[str, dict[str, Any], float], None]
@@ -121,7 +128,7 @@ class Node:
         publisher: DeltaPublisher | None = None,
         heartbeat: HeartbeatSink | None = None,
         role: str = "unified",
-        poll_ms: int = 20,
+        poll_ms: int = 4,
         heartbeat_interval_s: float = 2.0,
     ) -> None:
         self.engine = engine

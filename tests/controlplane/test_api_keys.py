@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.utils import timezone
 
@@ -103,7 +104,15 @@ def test_demo_seeds_an_org_user_key_and_priced_model_and_can_run_twice(db, capsy
     model = ServedModel.objects.get(id="SmolLM2-135M-Instruct")
     assert model.prices.count() == 1
     assert str(model.current_price().cached_input_per_mtok) == "0.100000"
-    assert "demo-password" in first and "(unchanged)" in second
+    assert "Login:    demo / demo-password" in first and "demo-password" in second
+    User = get_user_model()
+    user = User.objects.get(username="demo")
+    user.set_password("something-else")
+    user.save()
+    call_command("demo")
+    third = capsys.readouterr().out
+    assert "something-else" not in third and "demo-password" not in third
+    assert "Console:  http://127.0.0.1:8000/console/" in third
 
 
 def test_runnode_refuses_a_model_missing_from_the_catalog(db):

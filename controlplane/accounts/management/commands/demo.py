@@ -39,6 +39,8 @@ class Command(BaseCommand):
         if model.current_price() is None:
             Price.objects.create(model=model, **DEMO_PRICES)
         _, key = ApiKey.objects.create_key(org, "demo")
+        shown = password if user.check_password(password) else "(the password you set)"
+        self.stdout.write(f"Console:  {url}/console/")
+        self.stdout.write(f"Login:    {username} / {shown}")
         self.stdout.write(f"API:      {url}/v1  (model {model.id})")
-        self.stdout.write(f"Login:    {username} / {password if created else '(unchanged)'}")
         self.stdout.write(f"API key:  {key}")
