@@ -200,6 +200,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--streams", type=int, default=100)
+    parser.add_argument("--node-threads", type=int, default=1)
     parser.add_argument("--postgres", default="postgres://postgres@127.0.0.1:5432")
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     args = parser.parse_args()
@@ -216,7 +217,16 @@ def main() -> int:
     stack = ProductionStack(database_url, args.redis, namespace, work)
     stack.start_gateway()
     stack.start_worker()
-    stack.start_node(model_id, "bench-node", "--max-num-seqs", str(max(64, args.streams)))
+    # One torch thread for the node: on a 2-core machine its OpenMP threads would otherwise spin
+    # on both cores and the figure would measure CPU contention, not the control plane (in a
+    # deployment nodes run on machines of their own). --node-threads 0 leaves torch's default.
+    stack.start_node(
+        model_id,
+        "bench-node",
+        "--max-num-seqs",
+        str(max(64, args.streams)),
+        threads=args.node_threads or None,
+    )
     try:
         stack.wait_ready(model_id, nodes=1, api_key=key)
         log("warming up")

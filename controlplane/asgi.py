@@ -1,7 +1,11 @@
 """ASGI entry point: `uvicorn controlplane.asgi:application`.
 
-HTTP goes to Django (the API, the console); WebSockets to Channels: `/ws/events`, authenticated
-by the console's session and refused from origins outside ALLOWED_HOSTS.
+HTTP goes to Django: the API (`/v1/…`, `/healthz`) to a handler without middleware, everything
+else (the console) to one with the full stack. Django runs each sync middleware hook of an async
+request in its sync thread: the five console middlewares (sessions, CSRF, auth, …) cost an API
+request ten thread hops, most of the time the gateway added (bench/gateway.py), and an API call
+authenticated by its Bearer key needs none of them. WebSockets go to Channels: `/ws/events`,
+authenticated by the console's session and refused from origins outside ALLOWED_HOSTS.
 """
 
 import os
@@ -12,6 +16,36 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 # Django must be set up before anything imports models (the consumers do).
 django_application = get_asgi_application()
 
+from django.conf import settings  # noqa: E402
+from django.core.handlers.asgi import ASGIHandler  # noqa: E402
+
+
+class ApiHandler(ASGIHandler):
+    """Django for the API, built with `settings.API_MIDDLEWARE` instead of `MIDDLEWARE`."""
+
+    def load_middleware(self, is_async: bool = False) -> None:
+        # BaseHandler reads settings.MIDDLEWARE; swap it only while this handler is built (at
+        # import, before any request).
+        console_middleware = settings.MIDDLEWARE
+        settings.MIDDLEWARE = settings.API_MIDDLEWARE
+        try:
+            super().load_middleware(is_async)
+        finally:
+            settings.MIDDLEWARE = console_middleware
+
+
+api_application = ApiHandler()
+
+
+async def http_application(scope, receive, send):
+    """`/v1/…` and `/healthz` to the API handler, the rest to the console's."""
+    path = scope.get("path", "")
+    target = api_application if path.startswith(API_PREFIXES) else django_application
+    await target(scope, receive, send)
+
+
+API_PREFIXES = ("/v1/", "/healthz")
+
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
@@ -21,7 +55,7 @@ from controlplane.events.consumers import EventsConsumer  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
-        "http": django_application,
+        "http": http_application,
         "websocket": AllowedHostsOriginValidator(
             AuthMiddlewareStack(URLRouter([path("ws/events", EventsConsumer.as_asgi())]))
         ),

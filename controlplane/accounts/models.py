@@ -123,6 +123,8 @@ class ApiKey(models.Model):
     def touch(self) -> None:
         """Record use, at most once per LAST_USED_RESOLUTION."""
         now = timezone.now()
+        if self.last_used_at is not None and self.last_used_at >= now - LAST_USED_RESOLUTION:
+            return  # the row just read is fresh enough: no round trip
         stale = models.Q(last_used_at__isnull=True) | models.Q(
             last_used_at__lt=now - LAST_USED_RESOLUTION
         )

@@ -40,10 +40,15 @@ class ProductionStack:
         }
         self.processes: dict[str, subprocess.Popen] = {}
 
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, argv: list[str], **env: str) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
         process = subprocess.Popen(
-            argv, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, text=True
+            argv,
+            cwd=ROOT,
+            env={**self.env, **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         self.processes[name] = process
         return process
@@ -81,7 +86,9 @@ class ProductionStack:
             ],
         )
 
-    def start_node(self, model: str, node_id: str, *extra: str) -> None:
+    def start_node(self, model: str, node_id: str, *extra: str, threads: int | None = None) -> None:
+        """A node process; `threads` caps its torch/OpenMP threads (default: torch's choice)."""
+        env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
         self._spawn(
             f"node-{node_id}",
             [
@@ -98,6 +105,7 @@ class ProductionStack:
                 "16",
                 *extra,
             ],
+            **env,
         )
 
     def wait_ready(self, model: str, nodes: int, api_key: str, timeout_s: float = 120) -> None:
