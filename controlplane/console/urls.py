@@ -1,2 +1,24 @@
-# Placeholder until the console views land (helper owns this file).
-urlpatterns = []
+"""The web console's routes, under /console/ (controlplane/urls.py)."""
+
+from django.contrib.auth import views as auth_views
+from django.urls import path
+
+from controlplane.console import views
+
+app_name = "console"
+
+urlpatterns = [
+    path("", views.overview, name="overview"),
+    path(
+        "login",
+        auth_views.LoginView.as_view(
+            template_name="console/login.html", redirect_authenticated_user=True
+        ),
+        name="login",
+    ),
+    # Django's LogoutView accepts only POST, so a link or prefetch cannot sign anyone out.
+    path("logout", auth_views.LogoutView.as_view(), name="logout"),
+    path("keys", views.keys, name="keys"),
+    path("keys/<int:key_id>/revoke", views.revoke_key, name="revoke-key"),
+    path("jobs", views.jobs, name="jobs"),
+]

@@ -14,8 +14,9 @@ import pytest
 from django.conf import settings
 
 from controlplane.billing.models import UsageRecord
-from controlplane.billing.pricing import compute_costs
+from controlplane.billing.pricing import compute_costs, decimal_string
 from controlplane.catalog.models import Price, ServedModel
+from controlplane.events.models import Event
 from controlplane.jobs.models import Job
 from inference.node.protocol import CONTROLPLANE_QUEUE, GENERATE_ACTOR, model_queue
 
@@ -71,7 +72,25 @@ def test_a_result_delivered_twice_settles_and_bills_once(org_a, smollm2):
     [record] = UsageRecord.objects.all()
     assert record.total_cost == Decimal("0.0009") and record.cache_savings == Decimal("0.0003")
     assert record.price == smollm2.current_price()
-    assert job.result["cost"] == str(record.total_cost)
+    assert job.result["cost"] == {
+        "currency": "USD",
+        "input": "0.00024",
+        "cached_input": "0.00006",
+        "output": "0.0006",
+        "total": "0.0009",
+        "cache_savings": "0.0003",
+    }
+    # queued → running → completed, one event each, the last carrying usage and cost.
+    events = list(Event.objects.filter(data__id=job.id).order_by("sequence"))
+    assert [e.type for e in events] == ["job.running", "job.completed"]
+    assert events[-1].data["cost"]["total"] == "0.0009"
+    assert events[-1].data["usage"]["prompt_tokens_details"]["cached_tokens"] == 600
+
+
+def test_a_price_of_ten_or_more_reads_back_without_an_exponent():
+    assert decimal_string(Decimal("10.000000")) == "10"
+    assert decimal_string(Decimal("0.000600000000")) == "0.0006"
+    assert decimal_string(Decimal("0E-12")) == "0"
 
 
 def test_usage_keeps_the_price_it_was_charged_at(org_a, smollm2):
