@@ -3,20 +3,30 @@ reference; the engine calls only these functions. Imports nothing from `inferenc
 
 from __future__ import annotations
 
+# dispatch first: it sets TRITON_INTERPRET, when asked to, before any kernel is defined.
+from kernels import dispatch  # isort: skip
+
 import torch
 
-from kernels import dispatch
-from kernels.activation import silu_and_mul_torch
+from kernels.activation import (
+    gelu_and_mul_torch,
+    gelu_and_mul_triton,
+    silu_and_mul_torch,
+    silu_and_mul_triton,
+)
 from kernels.attention import (
     PagedAttentionBatch,
     PrefillSegment,
     build_paged_attention_batch,
     paged_attention_torch,
+    paged_attention_triton,
     store_kvcache_torch,
+    store_kvcache_triton,
 )
+from kernels.fused_moe import fused_moe_torch, fused_moe_triton, select_experts
 from kernels.linear import Int4Weight, linear_torch, pack_linear_weight
-from kernels.rms_norm import rms_norm_torch
-from kernels.rotary import build_cos_sin_cache, rotary_cos_sin, rotary_torch
+from kernels.rms_norm import rms_norm_torch, rms_norm_triton
+from kernels.rotary import build_cos_sin_cache, rotary_cos_sin, rotary_torch, rotary_triton
 
 __all__ = [
     "Int4Weight",
@@ -25,38 +35,61 @@ __all__ = [
     "attention",
     "build_cos_sin_cache",
     "build_paged_attention_batch",
+    "fused_moe",
+    "gelu_and_mul",
     "linear",
     "pack_linear_weight",
     "rms_norm",
     "rotary",
     "rotary_cos_sin",
+    "select_experts",
     "silu_and_mul",
     "store_kvcache",
 ]
+
+RMS_NORM = dispatch.Op("rms_norm", rms_norm_torch, rms_norm_triton)
+ROTARY = dispatch.Op("rotary", rotary_torch, rotary_triton)
+SILU_AND_MUL = dispatch.Op("silu_and_mul", silu_and_mul_torch, silu_and_mul_triton)
+GELU_AND_MUL = dispatch.Op("gelu_and_mul", gelu_and_mul_torch, gelu_and_mul_triton)
+LINEAR = dispatch.Op("linear", linear_torch)
+STORE_KVCACHE = dispatch.Op("store_kvcache", store_kvcache_torch, store_kvcache_triton)
+ATTENTION = dispatch.Op("attention", paged_attention_torch, paged_attention_triton)
+FUSED_MOE = dispatch.Op("fused_moe", fused_moe_torch, fused_moe_triton)
 
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm, fused with the residual add when `residual` is given. See `kernels.rms_norm`."""
-    return dispatch.select("rms_norm", rms_norm_torch, x)(x, weight, eps, residual)
+    return dispatch.select(RMS_NORM, x)(x, weight, eps, residual)
 
 
-def rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def rotary(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool = False,
+) -> None:
     """Apply rotary embeddings to query and key in place. See `kernels.rotary`."""
-    dispatch.select("rotary", rotary_torch, query)(query, key, cos, sin)
+    dispatch.select(ROTARY, query)(query, key, cos, sin, interleaved)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU on x = [gate | up]. See `kernels.activation`."""
-    return dispatch.select("silu_and_mul", silu_and_mul_torch, x)(x)
+    return dispatch.select(SILU_AND_MUL, x)(x)
+
+
+def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GeGLU on x = [gate | up]. See `kernels.activation`."""
+    return dispatch.select(GELU_AND_MUL, x)(x, approximate)
 
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor | Int4Weight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Dense projection. See `kernels.linear`."""
-    return dispatch.select("linear", linear_torch, x)(x, weight, bias)
+    return dispatch.select(LINEAR, x)(x, weight, bias)
 
 
 def store_kvcache(
@@ -67,8 +100,7 @@ def store_kvcache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write new keys/values into the paged cache. See `kernels.attention`."""
-    fn = dispatch.select("store_kvcache", store_kvcache_torch, key)
-    fn(key, value, k_cache, v_cache, slot_mapping)
+    dispatch.select(STORE_KVCACHE, key)(key, value, k_cache, v_cache, slot_mapping)
 
 
 def attention(
@@ -81,5 +113,18 @@ def attention(
     scale: float,
 ) -> torch.Tensor:
     """Paged causal attention for one step. See `kernels.attention`."""
-    fn = dispatch.select("attention", paged_attention_torch, query)
+    fn = dispatch.select(ATTENTION, query)
     return fn(query, key, value, k_cache, v_cache, batch, scale)
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """Mixture-of-experts MLP over the experts `select_experts` chose. See `kernels.fused_moe`."""
+    fn = dispatch.select(FUSED_MOE, hidden_states)
+    return fn(hidden_states, w13, w2, topk_weights, topk_ids, activation)

@@ -16,10 +16,15 @@ decode attention pads ragged contexts with such slots and masks them out of the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.decode_attention import decode_attention_triton
+from kernels.extend_attention import extend_attention_triton
 
 
 @dataclass
@@ -34,6 +39,16 @@ class PrefillSegment:
 
 
 @dataclass
+class KernelBatch:
+    """The step's layout as the Triton kernels read it (int32 tensors on the step's device)."""
+
+    block_tables: torch.Tensor  # [B, max_blocks], padded with 0 (never read past a context)
+    context_lens: torch.Tensor  # [B] cached prefix + new tokens
+    prefix_lens: torch.Tensor  # [B] cached prefix only
+    query_start_loc: torch.Tensor  # [B + 1] where each sequence's new tokens start
+
+
+@dataclass
 class PagedAttentionBatch:
     """Layout of one step's batch for `paged_attention`."""
 
@@ -41,6 +56,31 @@ class PagedAttentionBatch:
     decode_slots: torch.Tensor | None  # [num_decode, max_context] slot per (sequence, position)
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_context] True where attended
     prefills: list[PrefillSegment]
+    block_tables: list[list[int]] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    context_lens: list[int] = field(default_factory=list)
+    device: torch.device | str = "cpu"
+    _kernel_batch: KernelBatch | None = None
+
+    def kernel_batch(self) -> KernelBatch:
+        """The tensors the Triton kernels take, built on first use and shared by every layer
+        (the PyTorch reference never needs them)."""
+        if self._kernel_batch is None:
+            width = max((len(blocks) for blocks in self.block_tables), default=0)
+            table = torch.zeros((len(self.block_tables), max(width, 1)), dtype=torch.int32)
+            for row, blocks in enumerate(self.block_tables):
+                table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            context = torch.tensor(self.context_lens, dtype=torch.int32)
+            query = torch.tensor(self.query_lens, dtype=torch.int32)
+            starts = torch.zeros(len(self.query_lens) + 1, dtype=torch.int32)
+            starts[1:] = query.cumsum(0)
+            self._kernel_batch = KernelBatch(
+                table.to(self.device),
+                context.to(self.device),
+                (context - query).to(self.device),
+                starts.to(self.device),
+            )
+        return self._kernel_batch
 
 
 def build_paged_attention_batch(
@@ -85,7 +125,16 @@ def build_paged_attention_batch(
             mask = (positions.unsqueeze(0) <= rows + prefix).to(device)
         prefills.append(PrefillSegment(start, query_len, context_len, slots, mask))
         start += query_len
-    return PagedAttentionBatch(num_decode, decode_slots, decode_mask, prefills)
+    return PagedAttentionBatch(
+        num_decode,
+        decode_slots,
+        decode_mask,
+        prefills,
+        [list(blocks) for blocks in block_tables],
+        list(query_lens),
+        list(context_lens),
+        device,
+    )
 
 
 def store_kvcache_torch(
@@ -103,6 +152,69 @@ def store_kvcache_torch(
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     k_flat.index_copy_(0, slot_mapping, key)
     v_flat.index_copy_(0, slot_mapping, value)
+
+
+@triton.jit
+def _store_kvcache_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_key_token,
+    stride_key_head,
+    stride_value_token,
+    stride_value_head,
+    num_kv_heads,
+    head_dim,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:
+        heads = tl.arange(0, BLOCK_H)[:, None]
+        dims = tl.arange(0, BLOCK_D)[None, :]
+        mask = (heads < num_kv_heads) & (dims < head_dim)
+        # The cache is contiguous, so one slot is num_kv_heads * head_dim consecutive elements.
+        cache_offsets = slot * num_kv_heads * head_dim + heads * head_dim + dims
+        key = tl.load(key_ptr + token * stride_key_token + heads * stride_key_head + dims, mask)
+        tl.store(k_cache_ptr + cache_offsets, key, mask=mask)
+        value = tl.load(
+            value_ptr + token * stride_value_token + heads * stride_value_head + dims, mask
+        )
+        tl.store(v_cache_ptr + cache_offsets, value, mask=mask)
+
+
+def store_kvcache_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Triton `store_kvcache_torch`: one program per token copies its keys and values (every KV
+    head) into its slot; key/value may be strided views of the fused projection."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert key.stride(-1) == 1 and value.stride(-1) == 1, "the head dim must be contiguous"
+    _store_kvcache_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        num_kv_heads,
+        head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
 
 
 def paged_attention_torch(
@@ -157,3 +269,48 @@ def paged_attention_torch(
             )
         parts.append(attn[0].transpose(0, 1).reshape(seg.query_len, num_heads * head_dim))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def paged_attention_triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PagedAttentionBatch,
+    scale: float,
+) -> torch.Tensor:
+    """Triton `paged_attention_torch`: one split-KV decode launch for the decoding sequences and
+    one extend launch for every sequence with several new tokens (its cached prefix read through
+    the block table, its new tokens' own causal triangle from `key`/`value`)."""
+    num_tokens, num_heads, head_dim = query.shape
+    # The engine's query/key/value are views into the fused projection; the kernels take
+    # contiguous rows (a copy of this step's new tokens only, small beside the cache reads).
+    query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    layout = batch.kernel_batch()
+    n = batch.num_decode
+    if n:
+        decode_attention_triton(
+            query[:n],
+            k_cache,
+            v_cache,
+            layout.block_tables[:n],
+            layout.context_lens[:n],
+            scale,
+            out=out[:n],
+        )
+    if n < num_tokens:
+        extend_attention_triton(
+            query[n:],
+            key[n:],
+            value[n:],
+            k_cache,
+            v_cache,
+            layout.block_tables[n:],
+            layout.query_start_loc[n:] - n,
+            layout.prefix_lens[n:],
+            scale,
+            out=out[n:],
+        )
+    return out.view(num_tokens, num_heads * head_dim)

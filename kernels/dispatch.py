@@ -1,25 +1,36 @@
 """Choose the implementation of each op for the tensors it is given.
 
 Every op in `kernels` exists as a PyTorch reference (fast on the CPU, the oracle for the GPU
-kernels). CUDA tensors go to the Triton kernel of an op when one is registered; CPU tensors go to
-the reference. `HEARTH_KERNELS=triton` forces the Triton path on the CPU (run under
-`TRITON_INTERPRET=1`); `HEARTH_KERNELS=torch` forces the reference everywhere. The variable is
-read once, at import (like `TRITON_INTERPRET`): ops run thousands of times per second.
+kernels) and, except `linear`, as a Triton kernel with the same signature. CUDA tensors go to the
+Triton kernel; CPU tensors go to the reference. `HEARTH_KERNELS=triton` forces the Triton path on
+the CPU too, which needs Triton's interpreter: `TRITON_INTERPRET=1` must be in the environment
+before `kernels` is first imported (Triton reads it when the kernels are defined), so this module
+sets it then when no GPU is present. `HEARTH_KERNELS=torch` forces the reference everywhere. The
+variable is read once, at import: ops run thousands of times per second.
+
+`linear` has no Triton kernel on purpose: a dense projection is cuBLAS's job on a GPU (and
+torch's int4 kernel's for quantized weights); it runs its reference under every setting.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-_TRITON_OPS: dict[str, Callable] = {}
+# Ops whose reference is also what a GPU should run (see the module docstring).
+TORCH_ONLY_OPS = frozenset({"linear"})
 
 
-def register_triton(op_name: str, fn: Callable) -> None:
-    """Register the Triton implementation of `op_name` (called by the Triton kernel modules)."""
-    _TRITON_OPS[op_name] = fn
+@dataclass(frozen=True)
+class Op:
+    """One op's two implementations, which share a signature."""
+
+    name: str
+    reference: Callable
+    triton: Callable | None = None
 
 
 def _forced_backend_from_env() -> str | None:
@@ -32,6 +43,8 @@ def _forced_backend_from_env() -> str | None:
 
 
 _forced_backend = _forced_backend_from_env()
+if _forced_backend == "triton" and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def forced_backend() -> str | None:
@@ -39,20 +52,13 @@ def forced_backend() -> str | None:
     return _forced_backend
 
 
-def select(op_name: str, reference: Callable, tensor: torch.Tensor) -> Callable:
-    """Return the implementation of `op_name` to run on `tensor`."""
+def select(op: Op, tensor: torch.Tensor) -> Callable:
+    """Return the implementation of `op` to run on `tensor`."""
     backend = _forced_backend
-    if backend is None and not tensor.is_cuda:
-        return reference
-    if backend == "torch":
-        return reference
-    triton_fn = _TRITON_OPS.get(op_name)
-    if backend == "triton":
-        if triton_fn is None:
-            raise NotImplementedError(
-                f"HEARTH_KERNELS=triton but op {op_name!r} has no Triton kernel yet"
-            )
-        return triton_fn
-    if tensor.is_cuda and triton_fn is not None:
-        return triton_fn
-    return reference
+    if backend == "torch" or op.name in TORCH_ONLY_OPS:
+        return op.reference
+    if backend == "triton" or tensor.is_cuda:
+        if op.triton is None:
+            raise NotImplementedError(f"op {op.name!r} has no Triton kernel")
+        return op.triton
+    return op.reference
