@@ -17,7 +17,9 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 django_application = get_asgi_application()
 
 from django.conf import settings  # noqa: E402
+from django.core import signals  # noqa: E402
 from django.core.handlers.asgi import ASGIHandler  # noqa: E402
+from django.db import close_old_connections  # noqa: E402
 
 
 class ApiHandler(ASGIHandler):
@@ -35,6 +37,19 @@ class ApiHandler(ASGIHandler):
 
 
 api_application = ApiHandler()
+
+# Django closes stale database connections on every request_started and request_finished; under
+# ASGI each of those sync receivers is a hop to the sync thread, two per request. API requests
+# skip them: the completion views use the database only in the shared thread pool, whose
+# admission step calls `close_old_connections` itself, and the DRF views run, as every sync view
+# under Django's ASGI handler, in a thread of their own request (asgiref's
+# ThreadSensitiveContext), whose connection ends with it. That is about 2 ms a request here
+# (bench/gateway.py), and no queue behind the sync thread under load. Console requests, sent by
+# the plain ASGIHandler, keep Django's behaviour.
+signals.request_started.disconnect(close_old_connections)
+signals.request_finished.disconnect(close_old_connections)
+signals.request_started.connect(close_old_connections, sender=ASGIHandler)
+signals.request_finished.connect(close_old_connections, sender=ASGIHandler)
 
 
 async def http_application(scope, receive, send):

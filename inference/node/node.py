@@ -257,9 +257,11 @@ class Node:
             output.cached_tokens,
             output.timings,
         )
-        self._record(payload)
+        # The waiting client first: the send is scheduled on the publisher's thread, while the
+        # record is a broker round trip (the ack, after it, still waits for the record).
         if channel and self.publisher:
             self.publisher.send(channel, {"type": "done", **payload})
+        self._record(payload)
         flight.consumer.ack(flight.message)
         del self.inflight[output.request_id]
 
