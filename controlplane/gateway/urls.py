@@ -1,4 +1,4 @@
-from django.urls import path
+from django.urls import include, path
 
 from controlplane.gateway import completions, jobs_api, views
 
@@ -8,4 +8,5 @@ urlpatterns = [
     path("chat/completions", completions.chat_completions),
     path("completions", completions.completions),
     path("jobs/<str:job_id>", jobs_api.JobDetail.as_view()),
+    path("", include("controlplane.events.urls")),
 ]
