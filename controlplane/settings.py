@@ -211,6 +211,11 @@ else:
 
 # How long a synchronous request waits for its answer, queue time included.
 SYNC_REQUEST_TIMEOUT_S = env_float("HEARTH_SYNC_REQUEST_TIMEOUT_S", 600.0)
+# A queued job's deadline when its request names none (`deadline_s`): after it, it is expired.
+JOB_DEADLINE_S = env_int("HEARTH_JOB_DEADLINE_S", 24 * 3600)
+# How many times a job may start on a node before it is failed instead of tried again (a request
+# that kills its node every time must not loop).
+JOB_MAX_ATTEMPTS = env_int("HEARTH_JOB_MAX_ATTEMPTS", 3)
 # How often the gateway re-reads the node registry (heartbeats), in seconds.
 NODE_REGISTRY_TTL_S = env_float("HEARTH_NODE_REGISTRY_TTL_S", 0.5)
 

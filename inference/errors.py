@@ -16,3 +16,7 @@ class InvalidRequestError(ValueError):
 
 class ModelLoadError(RuntimeError):
     """The model could not be found or is of an architecture the engine does not implement."""
+
+
+class RequestExpiredError(InvalidRequestError):
+    """A request whose deadline passed before it could start."""

@@ -99,6 +99,7 @@ def revoke_key(request: HttpRequest, key_id: int) -> HttpResponse:
 @org_member_required
 def jobs(request: HttpRequest) -> HttpResponse:
     """The org's newest jobs as the API shows them; the page's script keeps them live."""
+    Job.objects.expire_overdue(org=request.org)
     newest = Job.objects.filter(org=request.org).order_by("-created")[:JOBS_SHOWN]
     rows = [{**job_object(job), "created_at": job.created} for job in newest]
     return render(request, "console/jobs.html", {"jobs": rows, "jobs_shown": JOBS_SHOWN})

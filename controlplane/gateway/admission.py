@@ -12,6 +12,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import dramatiq
 from django.conf import settings
@@ -123,6 +124,16 @@ def _admit(authorization, body, endpoint, session_affinity, reply_channel) -> Ad
             headers={"retry-after": str(RETRY_AFTER_S)},
         )
     sampling = {"temperature": 1.0, **request.sampling, "max_tokens": max_tokens}
+    # A queued job may wait up to its deadline (24 h unless it says); a synchronous one no longer
+    # than the gateway waits for it.
+    window = (
+        request.deadline_s or settings.JOB_DEADLINE_S
+        if request.queue
+        else min(
+            request.deadline_s or settings.SYNC_REQUEST_TIMEOUT_S, settings.SYNC_REQUEST_TIMEOUT_S
+        )
+    )
+    deadline = time.time() + window
     job = Job.objects.submit(
         org=principal.org,
         api_key=principal.api_key,
@@ -133,8 +144,8 @@ def _admit(authorization, body, endpoint, session_affinity, reply_channel) -> Ad
         request=_parse(body),
         prompt_token_ids=token_ids,
         sampling=sampling,
+        deadline_at=datetime.fromtimestamp(deadline, tz=UTC),
     )
-    deadline = None if request.queue else time.time() + settings.SYNC_REQUEST_TIMEOUT_S
     try:
         _enqueue(
             route.queue, job.generation_message(None if request.queue else reply_channel, deadline)

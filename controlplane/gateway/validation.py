@@ -48,6 +48,7 @@ _COMMON = {
     "logprobs",
     "queue",
     "reject_if_busy",
+    "deadline_s",
 }
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
 TEXT_FIELDS = _COMMON | {"prompt", "echo"}
@@ -83,6 +84,7 @@ class CompletionRequest:
     include_usage: bool = False
     queue: bool = False
     reject_if_busy: bool = False
+    deadline_s: int | None = None
 
 
 def _number(body: dict, name: str, low: float, high: float, sampling: dict, low_open=False):
@@ -196,6 +198,26 @@ def _max_tokens(body: dict, names: tuple[str, ...]) -> int | None:
     return value
 
 
+# The longest a job may wait and run: a week.
+MAX_DEADLINE_S = 7 * 24 * 3600
+
+
+def _deadline(body: dict) -> int | None:
+    """Hearth's `deadline_s`: seconds from submission after which the job is expired."""
+    value = body.get("deadline_s")
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise _bad("deadline_s", f"'deadline_s' must be an integer, got {type(value).__name__}.")
+    if not 1 <= value <= MAX_DEADLINE_S:
+        raise _bad(
+            "deadline_s",
+            f"'deadline_s' must be between 1 and {MAX_DEADLINE_S} seconds, got {value}.",
+            "invalid_value",
+        )
+    return value
+
+
 def validate_completion_request(body: Any, endpoint: str) -> CompletionRequest:
     """Check a chat (`chat.completions`) or text (`completions`) request body."""
     if not isinstance(body, dict):
@@ -251,6 +273,7 @@ def validate_completion_request(body: Any, endpoint: str) -> CompletionRequest:
         include_usage=include_usage,
         queue=_flag(body, "queue"),
         reject_if_busy=_flag(body, "reject_if_busy"),
+        deadline_s=_deadline(body),
     )
     if request.queue and stream:
         raise _bad(

@@ -1,5 +1,5 @@
 """Jobs: every completion request, sync or async, is a Job row with a status machine
-queued → running → completed | failed (cancelled and expired come with the async API).
+queued → running → completed | failed | cancelled | expired.
 
 State changes are conditional UPDATEs or row-locked transactions, so a result delivered twice
 (Dramatiq delivers at least once) settles the job and writes its usage row exactly once.
@@ -11,12 +11,15 @@ import logging
 import secrets
 from typing import Any
 
+import dramatiq
+from django.conf import settings
 from django.db import models, transaction
 from django.utils import timezone
 
 from controlplane.billing.models import UsageRecord
 from controlplane.catalog.models import ServedModel
 from controlplane.events.models import Event
+from inference.node.protocol import ABORT_ACTOR, control_queue
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +43,32 @@ class JobManager(models.Manager["Job"]):
         return job
 
     def record_started(self, payload: dict[str, Any]) -> bool:
-        """A node took the job's request: queued → running, once (a late or repeated notice,
-        one that arrives after the result, changes nothing)."""
+        """A node took the job's request: queued → running (one event however often), and one
+        more attempt counted. A job already settled (cancelled or expired while it waited), or
+        started more than JOB_MAX_ATTEMPTS times (its request keeps killing nodes), is stopped on
+        that node instead; past the attempts it is failed."""
         job = self.select_related("org").filter(request_id=payload["request_id"]).first()
-        return job is not None and job.start(node=payload.get("node") or "")
+        if job is None:
+            return False
+        node = payload.get("node") or ""
+        started = job.start(node=node)
+        if job.attempts > settings.JOB_MAX_ATTEMPTS:
+            job.fail(f"the request was started {job.attempts - 1} times and never finished")
+        if job.status in Job.TERMINAL:
+            job.abort_on(node)
+        return started
+
+    def expire_overdue(self, org=None, limit: int = 500) -> int:
+        """Queued jobs past their deadline → expired, each once with its event; returns how
+        many. Run lazily when jobs are read, and by `manage.py sweepjobs`."""
+        now = timezone.now()
+        overdue = self.filter(status=Job.QUEUED, deadline_at__lt=now)
+        if org is not None:
+            overdue = overdue.filter(org=org)
+        expired = 0
+        for job in overdue.select_related("org").order_by("deadline_at")[:limit]:
+            expired += job.expire(now)
+        return expired
 
     def record_completion(self, payload: dict[str, Any]) -> bool:
         """Settle the job of a node's `record_completion` payload; False if it was already
@@ -74,10 +99,10 @@ class JobManager(models.Manager["Job"]):
             job.finished_at = now
             job.started_at = job.started_at or now
             if payload.get("error"):
-                job.status = Job.FAILED
+                job.status = Job.EXPIRED if payload.get("error_code") == "expired" else Job.FAILED
                 job.error = payload["error"]
                 job.save()
-                job.emit("job.failed")
+                job.emit(f"job.{job.status}")
                 return True
             usage = payload["usage"]
             price = ServedModel.objects.get(id=job.model).current_price()
@@ -92,7 +117,12 @@ class JobManager(models.Manager["Job"]):
                 completion_tokens=usage["completion_tokens"],
                 price=price,
             )
+            # Stopped early on purpose: billed for what it generated, settled as what stopped it.
             job.status = Job.COMPLETED
+            if payload["finish_reason"] == "deadline":
+                job.status = Job.EXPIRED
+            elif payload["finish_reason"] == "abort" and job.cancel_requested_at is not None:
+                job.status = Job.CANCELLED
             job.result = {
                 "text": payload["text"],
                 "token_ids": payload["token_ids"],
@@ -102,7 +132,7 @@ class JobManager(models.Manager["Job"]):
                 "timings": payload.get("timings") or {},
             }
             job.save()
-            job.emit("job.completed")
+            job.emit(f"job.{job.status}")
             return True
 
 
@@ -110,8 +140,9 @@ class Job(models.Model):
     """One completion request and its outcome."""
 
     QUEUED, RUNNING, COMPLETED, FAILED = "queued", "running", "completed", "failed"
-    STATUSES = [(s, s) for s in (QUEUED, RUNNING, COMPLETED, FAILED)]
-    TERMINAL = frozenset({COMPLETED, FAILED})
+    CANCELLED, EXPIRED = "cancelled", "expired"
+    STATUSES = [(s, s) for s in (QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED, EXPIRED)]
+    TERMINAL = frozenset({COMPLETED, FAILED, CANCELLED, EXPIRED})
     SYNC, ASYNC, BATCH = "sync", "async", "batch"
     MODES = [(SYNC, SYNC), (ASYNC, ASYNC), (BATCH, BATCH)]
     CHAT, TEXT = "chat.completions", "completions"
@@ -138,11 +169,22 @@ class Job(models.Model):
     created = models.DateTimeField(auto_now_add=True, db_index=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    deadline_at = models.DateTimeField(null=True, blank=True)
+    cancel_requested_at = models.DateTimeField(null=True, blank=True)
 
     objects = JobManager()
 
+    class Meta:
+        indexes = [
+            # The jobs list (an org's newest first) and its cursor.
+            models.Index(fields=["org", "-created", "-id"], name="job_org_created"),
+            # Queue positions and the expiry sweep.
+            models.Index(fields=["status", "model", "created"], name="job_status_model_created"),
+        ]
+
     def start(self, node: str = "") -> bool:
-        """queued → running, once; False if another delivery got there first."""
+        """queued → running, once (True then); a later start of a running job (its message
+        redelivered after its node died) counts one more attempt and moves it to that node."""
         now = timezone.now()
         with transaction.atomic():
             claimed = Job.objects.filter(pk=self.pk, status=Job.QUEUED).update(
@@ -151,10 +193,67 @@ class Job(models.Model):
                 node=node,
                 attempts=models.F("attempts") + 1,
             )
+            if not claimed:
+                # A redelivery: the node that ran it died (or restarted) before it finished.
+                Job.objects.filter(pk=self.pk, status=Job.RUNNING).update(
+                    node=node, attempts=models.F("attempts") + 1
+                )
+            self.refresh_from_db(fields=["status", "started_at", "node", "attempts"])
             if claimed:
-                self.refresh_from_db(fields=["status", "started_at", "node", "attempts"])
                 self.emit("job.running")
         return bool(claimed)
+
+    def cancel(self) -> bool:
+        """Cancel: a queued job is cancelled now; a running one is stopped on its node and
+        settles as cancelled, billed for what it generated, when the node reports it. False when
+        the job is already settled (or its cancel already asked)."""
+        now = timezone.now()
+        with transaction.atomic():
+            cancelled = Job.objects.filter(pk=self.pk, status=Job.QUEUED).update(
+                status=Job.CANCELLED, finished_at=now, cancel_requested_at=now
+            )
+            if cancelled:
+                self.refresh_from_db()
+                self.emit("job.cancelled")
+                return True
+            requested = Job.objects.filter(
+                pk=self.pk, status=Job.RUNNING, cancel_requested_at__isnull=True
+            ).update(cancel_requested_at=now)
+        self.refresh_from_db()
+        if requested:
+            self.abort_on(self.node)
+        return bool(requested)
+
+    def expire(self, now=None) -> bool:
+        """queued → expired (its deadline passed before any node took it), once."""
+        now = now or timezone.now()
+        with transaction.atomic():
+            expired = Job.objects.filter(pk=self.pk, status=Job.QUEUED).update(
+                status=Job.EXPIRED,
+                finished_at=now,
+                error="the job's deadline passed before it started",
+            )
+            if expired:
+                self.refresh_from_db()
+                self.emit("job.expired")
+        return bool(expired)
+
+    def abort_on(self, node: str) -> None:
+        """Ask `node` to stop this job's request (its control queue); best effort: a node that
+        no longer runs it drops the message."""
+        if not node:
+            return
+        broker = dramatiq.get_broker()
+        queue = control_queue(self.model, node)
+        broker.declare_queue(queue)
+        message = dramatiq.Message(
+            queue_name=queue,
+            actor_name=ABORT_ACTOR,
+            args=({"request_id": self.request_id},),
+            kwargs={},
+            options={},
+        )
+        transaction.on_commit(lambda: broker.enqueue(message))
 
     def fail(self, error: str) -> bool:
         """→ failed from queued or running, once (a job the control plane cannot hand on)."""

@@ -43,5 +43,12 @@ def job_object(job) -> dict[str, Any]:
         "usage": usage_object(result["usage"]) if result.get("usage") else None,
         "cost": result.get("cost"),
         "response": response,
-        "error": {"message": job.error, "code": "generation_failed"} if job.error else None,
+        "deadline_at": _epoch(job.deadline_at),
+        "cancel_requested_at": _epoch(job.cancel_requested_at),
+        "error": {"message": job.error, "code": _ERROR_CODES.get(job.status, "generation_failed")}
+        if job.error
+        else None,
     }
+
+
+_ERROR_CODES = {"expired": "deadline_exceeded"}

@@ -23,13 +23,15 @@ from dramatiq.broker import Broker, Consumer, MessageProxy
 from inference.engine.llm_engine import LLMEngine
 from inference.engine.outputs import RequestOutput, Timings
 from inference.engine.sampling_params import SamplingParams
-from inference.errors import InvalidRequestError
+from inference.errors import InvalidRequestError, RequestExpiredError
 from inference.node.protocol import (
+    ABORT_ACTOR,
     CONTROLPLANE_QUEUE,
     RECORD_COMPLETION_ACTOR,
     RECORD_STARTED_ACTOR,
     GenerationRequest,
     completion_payload,
+    control_queue,
     model_queue,
     node_queue,
 )
@@ -147,6 +149,9 @@ class Node:
         prefetch = engine.config.max_num_seqs
         self.poll_ms = poll_ms
         self.consumers = [broker.consume(q, prefetch=prefetch, timeout=poll_ms) for q in queues]
+        broker.declare_queue(control_queue(model, node_id))
+        self.control = broker.consume(control_queue(model, node_id), prefetch=16, timeout=0)
+        self._last_control = 0.0
         self._last_heartbeat = 0.0
 
     # ---- admission ------------------------------------------------------------------------
@@ -179,6 +184,9 @@ class Node:
         body = message.args[0] if message.args else None
         try:
             request = GenerationRequest.from_message(body)
+            if request.deadline is not None and request.deadline <= time.time():
+                # It waited in the broker past its deadline: report it expired, compute nothing.
+                raise RequestExpiredError("the job's deadline passed before it started")
             self.engine.add_request(
                 request.request_id,
                 request.prompt_token_ids,
@@ -211,7 +219,16 @@ class Node:
             reply_channel=body.get("reply_channel") if isinstance(body, dict) else None,
         )
         payload = completion_payload(
-            request, self.node_id, "", [], None, 0, 0, Timings(), error=str(error)
+            request,
+            self.node_id,
+            "",
+            [],
+            None,
+            0,
+            0,
+            Timings(),
+            error=str(error),
+            error_code="expired" if isinstance(error, RequestExpiredError) else None,
         )
         self._record(payload)
         if request.reply_channel and self.publisher:
@@ -279,6 +296,22 @@ class Node:
             )
         )
 
+    def read_control(self, interval_s: float = 0.1) -> None:
+        """Apply the control queue's aborts, at most every `interval_s`: an abort of a request
+        this node runs stops it now (its result, with what it generated, is recorded as usual);
+        one for a request it does not run is dropped."""
+        now = time.monotonic()
+        if now - self._last_control < interval_s:
+            return
+        self._last_control = now
+        while (message := next(self.control)) is not None:
+            body = message.args[0] if message.args else {}
+            if message.actor_name == ABORT_ACTOR and isinstance(body, dict):
+                request_id = body.get("request_id")
+                if request_id in self.inflight and self.engine.abort(request_id):
+                    logger.info("aborted %s at the control plane's request", request_id)
+            self.control.ack(message)
+
     def beat(self, force: bool = False) -> None:
         """Publish load and cache state, at most every `heartbeat_interval_s`."""
         now = time.monotonic()
@@ -309,10 +342,11 @@ class Node:
         self.beat(force=True)
         while not stop.is_set():
             self.pull()
+            self.read_control()
             if self.engine.has_unfinished_requests():
                 self.step()
             self.beat()
         for request_id in list(self.inflight):
             self.engine.abort(request_id)
-        for consumer in self.consumers:
+        for consumer in [*self.consumers, self.control]:
             consumer.close()

@@ -5,6 +5,9 @@ Generation requests arrive as Dramatiq messages for the actor `generate` on the 
 `request_id`, `job_id`, `org` (the prefix-cache namespace), `prompt_token_ids`, `sampling`
 (SamplingParams fields), `reply_channel` (None for async work), `deadline` (epoch seconds or
 None), `attempt`. Results leave as `record_completion` messages on the control plane's queue.
+
+Each node also reads a control queue of its own, `infer.<model>.<node>.control`: `abort`
+messages (`{"request_id"}`) stop a request it runs (a cancelled job, or one past its attempts).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from inference.errors import InvalidRequestError
 GENERATE_ACTOR = "generate"
 RECORD_COMPLETION_ACTOR = "record_completion"
 RECORD_STARTED_ACTOR = "record_started"
+ABORT_ACTOR = "abort"
 CONTROLPLANE_QUEUE = "default"
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -32,6 +36,11 @@ def model_queue(model: str) -> str:
 def node_queue(model: str, node_id: str) -> str:
     """Queue only one node pulls from (session affinity)."""
     return f"infer.{model}.{node_id}"
+
+
+def control_queue(model: str, node_id: str) -> str:
+    """Queue of one node's control messages (aborts)."""
+    return f"infer.{model}.{node_id}.control"
 
 
 @dataclass
@@ -88,8 +97,10 @@ def completion_payload(
     cached_tokens: int,
     timings: Timings,
     error: str | None = None,
+    error_code: str | None = None,
 ) -> dict[str, Any]:
-    """The argument of a `record_completion` message."""
+    """The argument of a `record_completion` message. `error_code` "expired" marks a request
+    refused because its deadline passed before it started."""
     return {
         "request_id": request.request_id,
         "job_id": request.job_id,
@@ -99,6 +110,7 @@ def completion_payload(
         "token_ids": token_ids,
         "finish_reason": finish_reason,
         "error": error,
+        "error_code": error_code,
         "usage": {
             "prompt_tokens": prompt_tokens,
             "cached_tokens": cached_tokens,

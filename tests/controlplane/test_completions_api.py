@@ -100,6 +100,9 @@ def test_it_refuses_malformed_json(post, tiny, key_a):
         ({"top_p": 0}, "top_p", "invalid_value"),
         ({"model": 7}, "model", "invalid_type"),
         ({"frobnicate": 1}, "frobnicate", "unknown_parameter"),
+        ({"deadline_s": "1h"}, "deadline_s", "invalid_type"),
+        ({"deadline_s": 0}, "deadline_s", "invalid_value"),
+        ({"deadline_s": 8 * 24 * 3600}, "deadline_s", "invalid_value"),
     ],
 )
 def test_it_names_the_field_of_the_wrong_type_or_value(post, tiny, key_a, fields, param, code):
@@ -146,3 +149,11 @@ def test_another_orgs_job_is_not_found(api, tiny, org_a, key_b):
     assert response.status_code == 404
     validate(response.json(), "ErrorResponse")
     assert response.json()["error"]["code"] == "job_not_found"
+
+
+def test_a_queued_job_keeps_the_deadline_it_asked_for(post, tiny, key_a):
+    response = post(CHAT, chat(queue=True, deadline_s=120), key=key_a)
+    assert response.status_code == 202
+    job = Job.objects.get(id=response.json()["id"])
+    remaining = (job.deadline_at - job.created).total_seconds()
+    assert 119 <= remaining <= 121 and response.json()["deadline_at"] is not None

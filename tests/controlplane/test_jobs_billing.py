@@ -116,11 +116,15 @@ def test_an_error_result_fails_the_job_and_bills_nothing(org_a, smollm2):
     assert not UsageRecord.objects.exists()
 
 
-def test_start_claims_a_queued_job_once(org_a, smollm2):
+def test_start_claims_a_queued_job_once_and_counts_every_start(org_a, smollm2):
     job = make_job(org_a)
-    assert job.start()
-    assert not Job.objects.get(pk=job.pk).start()
-    assert Job.objects.get(pk=job.pk).attempts == 1
+    assert job.start("node-1")
+    # A second start is the message redelivered after node-1 died: one more attempt, no new
+    # claim and no second job.running event.
+    assert not Job.objects.get(pk=job.pk).start("node-2")
+    job.refresh_from_db()
+    assert job.status == Job.RUNNING and job.attempts == 2 and job.node == "node-2"
+    assert Event.objects.filter(data__id=job.id, type="job.running").count() == 1
 
 
 @pytest.mark.django_db(transaction=True)

@@ -17,10 +17,12 @@ from dramatiq.brokers.redis import RedisBroker
 from inference.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from inference.node.node import DeltaPublisher, Node
 from inference.node.protocol import (
+    ABORT_ACTOR,
     CONTROLPLANE_QUEUE,
     GENERATE_ACTOR,
     RECORD_COMPLETION_ACTOR,
     RECORD_STARTED_ACTOR,
+    control_queue,
     model_queue,
 )
 
@@ -165,6 +167,48 @@ def test_node_serves_requests_streams_deltas_and_reports_results(
     assert sum(len(d["token_ids"]) for d in deltas[:-1]) == 8
     assert beats and beats[0]["id"] == "node-1" and beats[0]["model"] == MODEL
     assert not node.inflight
+
+
+def test_a_request_past_its_deadline_is_reported_expired_without_running(
+    tiny_llama_dir, broker
+):
+    enqueue(broker, request("late", [3, 4, 5], deadline=time.time() - 1))
+    node = Node(make_engine(tiny_llama_dir), MODEL, "node-1", broker)
+    deadline = time.time() + 10
+    while not node.pull() and time.time() < deadline:
+        pass
+    assert not node.inflight and not node.engine.has_unfinished_requests()
+    [result] = collect_results(broker, 1).values()
+    assert result["error_code"] == "expired" and result["usage"]["prompt_tokens"] == 0
+
+
+def test_an_abort_on_the_control_queue_stops_a_running_request(tiny_llama_dir, broker):
+    long = request("long", [3, 4, 5])
+    long["sampling"]["max_tokens"] = 200
+    enqueue(broker, long)
+    node = Node(make_engine(tiny_llama_dir), MODEL, "node-1", broker)
+    deadline = time.time() + 10
+    while "long" not in node.inflight and time.time() < deadline:
+        node.pull()
+    node.step()  # a few tokens generated
+    node.step()
+    broker.enqueue(
+        dramatiq.Message(
+            queue_name=control_queue(MODEL, "node-1"),
+            actor_name=ABORT_ACTOR,
+            args=({"request_id": "long"},),
+            kwargs={},
+            options={},
+        )
+    )
+    while node.inflight and time.time() < deadline:
+        node.read_control(interval_s=0)
+        node.step()
+    assert not node.inflight
+    [result] = collect_results(broker, 1).values()
+    # Stopped, and reported with what it generated so far (the control plane bills that).
+    assert result["finish_reason"] == "abort" and result["error"] is None
+    assert 0 < result["usage"]["completion_tokens"] < 200
 
 
 def test_work_waits_in_the_broker_until_a_node_has_room(tiny_llama_dir, broker):
