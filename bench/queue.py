@@ -1,0 +1,196 @@
+"""Queue benchmark: many asynchronous jobs through the production stack, none lost, none billed
+twice.
+
+Starts Hearth's production mode as real processes (uvicorn, one `runnode`, the `rundramatiq`
+worker) on PostgreSQL (database `hearth_bench`, created here) and Redis, serving a tiny
+random-weight Llama, then submits N jobs (`queue: true`, 8 tokens each) from C concurrent
+clients and waits until every job is settled. It reports:
+
+- `submit_per_s`: accepted jobs (202) per second of the submission phase;
+- `complete_p50_s` / `complete_p99_s`: from a job's creation to its `job.completed` event (both
+  timestamps from the database);
+- `lost`: jobs accepted but not completed by the end (or missing rows), and `duplicates`: usage
+  rows beyond one per request.
+
+Targets (issue 5, this machine): ≥ 300 submissions/s, zero lost, zero duplicates. The last line of
+stdout is one JSON object, also written to bench/results/queue.json.
+
+    .venv/bin/python bench/queue.py                       # 2,000 jobs, 16 clients
+    .venv/bin/python bench/queue.py --jobs 200 --clients 4
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# `python bench/queue.py` puts bench/ first on sys.path, where this file would shadow the
+# standard library's `queue` (psycopg imports it): replace that entry with the repository root.
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO_ROOT / "bench"]
+sys.path.insert(0, str(REPO_ROOT))
+
+import argparse  # noqa: E402
+import http.client  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from datetime import UTC, datetime  # noqa: E402
+
+from bench.gateway import log, percentile, prepare_database, seed, setup_django  # noqa: E402
+
+
+def submit(port: int, key: str, model: str, count: int, offset: int, accepted: list) -> None:
+    """Submit `count` queued jobs on one keep-alive connection; record the accepted job ids."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    for index in range(offset, offset + count):
+        body = json.dumps(
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": f"job {index}: review this change"}],
+                "max_tokens": 8,
+                "temperature": 0,
+                "queue": True,
+            }
+        )
+        connection.request("POST", "/v1/chat/completions", body, headers)
+        response = connection.getresponse()
+        payload = response.read()
+        if response.status != 202:
+            raise RuntimeError(f"job {index}: {response.status} {payload[:300]!r}")
+        accepted.append(json.loads(payload)["id"])
+    connection.close()
+
+
+def settle(job_ids: list[str], timeout_s: float) -> None:
+    from controlplane.jobs.models import Job
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        open_jobs = Job.objects.filter(id__in=job_ids).exclude(status__in=Job.TERMINAL).count()
+        if not open_jobs:
+            return
+        log(f"  {open_jobs} jobs still open")
+        time.sleep(2)
+
+
+def measure(job_ids: list[str]) -> dict:
+    from django.db.models import Count
+
+    from controlplane.billing.models import UsageRecord
+    from controlplane.events.models import Event
+    from controlplane.jobs.models import Job
+
+    jobs = {j.id: j for j in Job.objects.filter(id__in=job_ids)}
+    completed_at = {
+        e.data["id"]: e.created
+        for e in Event.objects.filter(type="job.completed", data__id__in=job_ids)
+    }
+    latencies = [
+        (completed_at[job_id] - jobs[job_id].created).total_seconds()
+        for job_id in job_ids
+        if job_id in completed_at and job_id in jobs
+    ]
+    completed = {j for j, job in jobs.items() if job.status == Job.COMPLETED}
+    requests = [job.request_id for job in jobs.values()]
+    duplicates = sum(
+        row["n"] - 1
+        for row in UsageRecord.objects.filter(request_id__in=requests)
+        .values("request_id")
+        .annotate(n=Count("id"))
+        if row["n"] > 1
+    )
+    return {
+        "completed": len(completed),
+        "lost": len(job_ids) - len(completed),
+        "duplicates": duplicates,
+        "complete_p50_s": round(statistics.median(latencies), 3) if latencies else None,
+        "complete_p99_s": round(percentile(latencies, 99), 3) if latencies else None,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--jobs", type=int, default=2000)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--settle-timeout", type=float, default=600)
+    parser.add_argument("--postgres", default="postgres://postgres@127.0.0.1:5432")
+    parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    args = parser.parse_args()
+
+    namespace = f"hearth-bench-{os.getpid()}"
+    database_url = prepare_database(args.postgres)
+    setup_django(database_url, args.redis, namespace)
+    from tests.e2e.stack import ProductionStack
+    from tests.inference.tiny_models import build_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="hearth-bench-"))
+    model_id = f"tiny-bench-{os.getpid()}"
+    key = seed(model_id, build_tiny_model(work / "tiny", "llama"))
+    stack = ProductionStack(database_url, args.redis, namespace, work)
+    stack.start_gateway()
+    stack.start_worker()
+    stack.start_node(model_id, "bench-node", "--max-num-seqs", "64", threads=1)
+    accepted: list[str] = []
+    try:
+        stack.wait_ready(model_id, nodes=1, api_key=key)
+        share = args.jobs // args.clients
+        threads = [
+            threading.Thread(
+                target=submit, args=(stack.port, key, model_id, share, i * share, accepted)
+            )
+            for i in range(args.clients)
+        ]
+        log(f"submitting {share * args.clients} jobs from {args.clients} clients")
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        submit_s = time.perf_counter() - start
+        log("waiting for every job to settle")
+        settle(accepted, args.settle_timeout)
+        figures = measure(accepted)
+    except Exception:
+        log(stack.outputs())
+        raise
+    finally:
+        stack.stop()
+        import redis
+
+        client = redis.Redis.from_url(args.redis)
+        for leftover in client.scan_iter(match=f"{namespace}*"):
+            client.delete(leftover)
+
+    submitted = share * args.clients
+    result = {
+        "benchmark": "queue",
+        "at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "jobs": submitted,
+        "clients": args.clients,
+        "accepted": len(accepted),
+        "submit_per_s": round(len(accepted) / submit_s, 1),
+        **figures,
+    }
+    rows = [
+        ("submit_per_s", result["submit_per_s"], ">= 300"),
+        ("complete_p50_s", result["complete_p50_s"], ""),
+        ("complete_p99_s", result["complete_p99_s"], ""),
+        ("lost", result["lost"], "0"),
+        ("duplicates", result["duplicates"], "0"),
+    ]
+    print(f"{'metric':<18}{'value':>12}{'target':>10}")
+    for name, value, target in rows:
+        print(f"{name:<18}{value!s:>12}{target:>10}")
+    (REPO_ROOT / "bench" / "results").mkdir(exist_ok=True)
+    (REPO_ROOT / "bench" / "results" / "queue.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
