@@ -24,17 +24,20 @@ from django.views.decorators.csrf import csrf_exempt
 
 from controlplane.gateway.admission import Admission, admit
 from controlplane.gateway.errors import ApiError
+from controlplane.gateway.idempotency import idempotent
 from controlplane.gateway.responses import completion_response, stream_chunk
 from controlplane.jobs.models import Job
 from controlplane.jobs.serializers import job_object
 
 
 @csrf_exempt
+@idempotent
 async def chat_completions(request: HttpRequest) -> HttpResponse:
     return await _complete(request, Job.CHAT)
 
 
 @csrf_exempt
+@idempotent
 async def completions(request: HttpRequest) -> HttpResponse:
     return await _complete(request, Job.TEXT)
 
