@@ -92,6 +92,37 @@ def seed(model_id: str, source: Path) -> str:
     return key
 
 
+def start_stack(postgres: str, redis_url: str, max_num_seqs: int, node_threads: int | None):
+    """Production mode on a fresh `hearth_bench` database, serving a tiny random Llama:
+    (stack, API key, model id). The node is started; wait for it with `stack.wait_ready`."""
+    namespace = f"hearth-bench-{os.getpid()}"
+    database_url = prepare_database(postgres)
+    setup_django(database_url, redis_url, namespace)
+    from tests.e2e.stack import ProductionStack
+    from tests.inference.tiny_models import build_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="hearth-bench-"))
+    model_id = f"tiny-bench-{os.getpid()}"
+    key = seed(model_id, build_tiny_model(work / "tiny", "llama"))
+    stack = ProductionStack(database_url, redis_url, namespace, work)
+    stack.start_gateway()
+    stack.start_worker()
+    stack.start_node(
+        model_id, "bench-node", "--max-num-seqs", str(max_num_seqs), threads=node_threads
+    )
+    return stack, key, model_id
+
+
+def stop_stack(stack, redis_url: str) -> None:
+    """Stop the processes and delete the run's keys from Redis."""
+    import redis
+
+    stack.stop()
+    client = redis.Redis.from_url(redis_url)
+    for leftover in client.scan_iter(match=f"{stack.env['HEARTH_BROKER_NAMESPACE']}*"):
+        client.delete(leftover)
+
+
 def sequential_latency(port: int, key: str, model: str, count: int) -> list[tuple[str, float]]:
     """(request id, client seconds) of `count` requests on one keep-alive connection."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
@@ -205,27 +236,11 @@ def main() -> int:
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     args = parser.parse_args()
 
-    namespace = f"hearth-bench-{os.getpid()}"
-    database_url = prepare_database(args.postgres)
-    setup_django(database_url, args.redis, namespace)
-    from tests.e2e.stack import ProductionStack
-    from tests.inference.tiny_models import build_tiny_model
-
-    work = Path(tempfile.mkdtemp(prefix="hearth-bench-"))
-    model_id = f"tiny-bench-{os.getpid()}"
-    key = seed(model_id, build_tiny_model(work / "tiny", "llama"))
-    stack = ProductionStack(database_url, args.redis, namespace, work)
-    stack.start_gateway()
-    stack.start_worker()
     # One torch thread for the node: on a 2-core machine its OpenMP threads would otherwise spin
     # on both cores and the figure would measure CPU contention, not the control plane (in a
     # deployment nodes run on machines of their own). --node-threads 0 leaves torch's default.
-    stack.start_node(
-        model_id,
-        "bench-node",
-        "--max-num-seqs",
-        str(max(64, args.streams)),
-        threads=args.node_threads or None,
+    stack, key, model_id = start_stack(
+        args.postgres, args.redis, max(64, args.streams), args.node_threads or None
     )
     try:
         stack.wait_ready(model_id, nodes=1, api_key=key)
@@ -243,12 +258,7 @@ def main() -> int:
         log(stack.outputs())
         raise
     finally:
-        stack.stop()
-        import redis
-
-        client = redis.Redis.from_url(args.redis)
-        for leftover in client.scan_iter(match=f"{namespace}*"):
-            client.delete(leftover)
+        stop_stack(stack, args.redis)
 
     result = {
         "benchmark": "gateway",

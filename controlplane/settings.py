@@ -216,6 +216,20 @@ JOB_DEADLINE_S = env_int("HEARTH_JOB_DEADLINE_S", 24 * 3600)
 # How many times a job may start on a node before it is failed instead of tried again (a request
 # that kills its node every time must not loop).
 JOB_MAX_ATTEMPTS = env_int("HEARTH_JOB_MAX_ATTEMPTS", 3)
+# Webhooks (controlplane/events/webhooks.py). Endpoints whose host resolves to a private,
+# loopback, link-local, multicast or reserved address are refused unless this is on: a laptop or
+# a deployment whose receivers sit on the same private network.
+WEBHOOK_ALLOW_PRIVATE = env_bool("HEARTH_WEBHOOK_ALLOW_PRIVATE", False)
+# One delivery attempt's socket timeout (connect, and each read), in seconds.
+WEBHOOK_TIMEOUT_S = env_float("HEARTH_WEBHOOK_TIMEOUT_S", 10.0)
+# Attempts per event and endpoint, the first included.
+WEBHOOK_MAX_ATTEMPTS = env_int("HEARTH_WEBHOOK_MAX_ATTEMPTS", 8)
+# The upper bound of the wait after the 1st, 2nd, … failed attempt (the last repeats); the wait
+# is drawn uniformly below it (full jitter). Default 5 s, 30 s, 2 min, 10 min, 1 h, 6 h.
+WEBHOOK_RETRY_SCHEDULE_S = [
+    float(step)
+    for step in env_str("HEARTH_WEBHOOK_RETRY_SCHEDULE_S", "5,30,120,600,3600,21600").split(",")
+]
 # How often the gateway re-reads the node registry (heartbeats), in seconds.
 NODE_REGISTRY_TTL_S = env_float("HEARTH_NODE_REGISTRY_TTL_S", 0.5)
 

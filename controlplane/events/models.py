@@ -9,7 +9,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from django.db import models, transaction
+from django.db import connection, models, transaction
 
 from controlplane.events.push import push_to_org
 
@@ -18,13 +18,34 @@ def new_event_id() -> str:
     return f"evt_{secrets.token_hex(12)}"
 
 
+# First key of the PostgreSQL advisory locks that order an org's event commits (the second is
+# the org's id); an arbitrary constant that no other lock in Hearth uses.
+EMIT_LOCK_NAMESPACE = 0x4576
+
+
 class EventManager(models.Manager["Event"]):
     def emit(self, org, type: str, data: dict[str, Any]) -> Event:
         """Write the event, and push it to the org's live listeners once the row is committed
-        (a push for a rolled-back change would announce something that never happened)."""
-        event = self.create(org=org, type=type, data=data)
-        message = event.as_message()
-        transaction.on_commit(lambda: push_to_org(org.pk, message))
+        (a push for a rolled-back change would announce something that never happened).
+
+        An org's events commit in `sequence` order: on PostgreSQL the insert first takes a
+        per-org advisory lock held until commit. Without it two transactions could take
+        sequences 10 and 11 and commit 11 first, and a reader resuming "after 11" (the event
+        stream's cursor) would never see 10. Emits are the last writes of their transactions, so
+        the lock serialises little more than the commits. SQLite has one writer at a time."""
+        with transaction.atomic(savepoint=False):
+            if connection.vendor == "postgresql":
+                with connection.cursor() as cursor:
+                    cursor.execute(
+                        "SELECT pg_advisory_xact_lock(%s, %s)", [EMIT_LOCK_NAMESPACE, org.pk]
+                    )
+            event = self.create(org=org, type=type, data=data)
+        message, sequence = event.as_message(), event.sequence
+        transaction.on_commit(lambda: push_to_org(org.pk, message, sequence))
+        # Webhooks: the worker finds the org's endpoints; a broker outage must not fail the caller.
+        from controlplane.events.tasks import fan_out_event  # the actors import this module
+
+        transaction.on_commit(lambda: fan_out_event.send(sequence), robust=True)
         return event
 
 
@@ -51,3 +72,7 @@ class Event(models.Model):
             "created": int(self.created.timestamp()),
             "data": self.data,
         }
+
+
+# The webhook models live in webhooks.py; Django registers an app's models from this module.
+from controlplane.events.webhooks import WebhookDelivery, WebhookEndpoint  # noqa: E402, F401

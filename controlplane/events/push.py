@@ -48,8 +48,12 @@ def org_group(org_id: int) -> str:
     return f"org.{org_id}"
 
 
-def push_to_org(org_id: int, event: dict[str, Any]) -> None:
-    """Best effort: the event row is already committed, so a lost push loses nothing."""
+def push_to_org(org_id: int, event: dict[str, Any], sequence: int | None = None) -> None:
+    """Best effort: the event row is already committed, so a lost push loses nothing.
+
+    `sequence` (the row's, not part of the client-visible event) lets a listener that has
+    already read past it from the database skip the push."""
     publisher = _get_publisher()
     if publisher is not None:
-        publisher.group_send(org_group(org_id), {"type": "event.message", "event": event})
+        message = {"type": "event.message", "event": event, "sequence": sequence}
+        publisher.group_send(org_group(org_id), message)

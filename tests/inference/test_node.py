@@ -169,9 +169,7 @@ def test_node_serves_requests_streams_deltas_and_reports_results(
     assert not node.inflight
 
 
-def test_a_request_past_its_deadline_is_reported_expired_without_running(
-    tiny_llama_dir, broker
-):
+def test_a_request_past_its_deadline_is_reported_expired_without_running(tiny_llama_dir, broker):
     enqueue(broker, request("late", [3, 4, 5], deadline=time.time() - 1))
     node = Node(make_engine(tiny_llama_dir), MODEL, "node-1", broker)
     deadline = time.time() + 10

@@ -15,32 +15,30 @@ clients and waits until every job is settled. It reports:
 Targets (issue 5, this machine): ≥ 300 submissions/s, zero lost, zero duplicates. The last line of
 stdout is one JSON object, also written to bench/results/queue.json.
 
-    .venv/bin/python bench/queue.py                       # 2,000 jobs, 16 clients
-    .venv/bin/python bench/queue.py --jobs 200 --clients 4
+    .venv/bin/python bench/job_queue.py                       # 2,000 jobs, 16 clients
+    .venv/bin/python bench/job_queue.py --jobs 200 --clients 4
+
+(Issue 5 names it `bench/queue.py`; a file of that name in bench/ shadows the standard library's
+`queue` module for every script run from bench/, which broke the others.)
 """
 
 from __future__ import annotations
 
+import argparse
+import http.client
+import json
+import statistics
 import sys
+import threading
+import time
+from datetime import UTC, datetime
 from pathlib import Path
 
-# `python bench/queue.py` puts bench/ first on sys.path, where this file would shadow the
-# standard library's `queue` (psycopg imports it): replace that entry with the repository root.
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO_ROOT / "bench"]
-sys.path.insert(0, str(REPO_ROOT))
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
 
-import argparse  # noqa: E402
-import http.client  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from datetime import UTC, datetime  # noqa: E402
-
-from bench.gateway import log, percentile, prepare_database, seed, setup_django  # noqa: E402
+from bench.gateway import log, percentile, start_stack, stop_stack  # noqa: E402
 
 
 def submit(port: int, key: str, model: str, count: int, offset: int, accepted: list) -> None:
@@ -122,19 +120,7 @@ def main() -> int:
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     args = parser.parse_args()
 
-    namespace = f"hearth-bench-{os.getpid()}"
-    database_url = prepare_database(args.postgres)
-    setup_django(database_url, args.redis, namespace)
-    from tests.e2e.stack import ProductionStack
-    from tests.inference.tiny_models import build_tiny_model
-
-    work = Path(tempfile.mkdtemp(prefix="hearth-bench-"))
-    model_id = f"tiny-bench-{os.getpid()}"
-    key = seed(model_id, build_tiny_model(work / "tiny", "llama"))
-    stack = ProductionStack(database_url, args.redis, namespace, work)
-    stack.start_gateway()
-    stack.start_worker()
-    stack.start_node(model_id, "bench-node", "--max-num-seqs", "64", threads=1)
+    stack, key, model_id = start_stack(args.postgres, args.redis, 64, 1)
     accepted: list[str] = []
     try:
         stack.wait_ready(model_id, nodes=1, api_key=key)
@@ -159,12 +145,7 @@ def main() -> int:
         log(stack.outputs())
         raise
     finally:
-        stack.stop()
-        import redis
-
-        client = redis.Redis.from_url(args.redis)
-        for leftover in client.scan_iter(match=f"{namespace}*"):
-            client.delete(leftover)
+        stop_stack(stack, args.redis)
 
     submitted = share * args.clients
     result = {

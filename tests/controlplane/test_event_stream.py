@@ -1,0 +1,360 @@
+"""`GET /v1/events` (SSE) and `/ws/events?after=` through the whole ASGI application, on the real
+PostgreSQL: a resumed stream gets every missed event of its own org once, in order, then the
+live ones; nothing of another org, ever."""
+
+from __future__ import annotations
+
+import json
+import threading
+from urllib.parse import urlencode
+
+import pytest
+from asgiref.sync import sync_to_async
+from asgiref.testing import ApplicationCommunicator
+from channels.db import database_sync_to_async
+from channels.layers import get_channel_layer
+from django.db import connection
+
+from controlplane.events import models as event_models
+from controlplane.events import stream
+from controlplane.events.models import Event
+from controlplane.events.push import org_group
+from tests.controlplane.test_events_ws import communicator, run, session_cookie
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+emit = database_sync_to_async(Event.objects.emit)
+
+
+@pytest.fixture(autouse=True)
+def memory_layer(settings):
+    """The in-memory channel layer, dropped again after the test (see test_events_ws.py)."""
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+
+@pytest.fixture
+def stream_ready(monkeypatch) -> threading.Event:
+    """Set once a stream without `after` has joined its org's group and found the log's end:
+    from then on every event emitted reaches it."""
+    ready = threading.Event()
+    latest_sequence = stream._latest_sequence
+
+    def latest_sequence_then_ready(org_id):
+        sequence = latest_sequence(org_id)
+        ready.set()
+        return sequence
+
+    monkeypatch.setattr(stream, "_latest_sequence", latest_sequence_then_ready)
+    return ready
+
+
+async def until(ready: threading.Event) -> None:
+    assert await sync_to_async(ready.wait)(5)
+
+
+class EventStreamClient(ApplicationCommunicator):
+    """An HTTP client speaking ASGI to the application: `GET /v1/events`, read frame by frame."""
+
+    def __init__(self, key: str | None, query: dict | None = None, **headers: str) -> None:
+        from controlplane.asgi import application
+
+        raw_headers = [(b"host", b"127.0.0.1:8000")]
+        if key is not None:
+            raw_headers.append((b"authorization", f"Bearer {key}".encode()))
+        for name, value in headers.items():
+            raw_headers.append((name.replace("_", "-").lower().encode(), value.encode()))
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "GET",
+            "scheme": "http",
+            "path": "/v1/events",
+            "raw_path": b"/v1/events",
+            "query_string": urlencode(query or {}).encode(),
+            "headers": raw_headers,
+            "client": ("127.0.0.1", 50000),
+            "server": ("127.0.0.1", 8000),
+        }
+        super().__init__(application, scope)
+        self.buffer = b""
+
+    async def open(self) -> tuple[int, dict[str, str]]:
+        await self.send_input({"type": "http.request", "body": b"", "more_body": False})
+        start = await self.receive_output(5)
+        assert start["type"] == "http.response.start", start
+        return start["status"], {k.decode().lower(): v.decode() for k, v in start["headers"]}
+
+    async def error(self) -> dict:
+        """The JSON body of a refused request."""
+        body = await self.receive_output(5)
+        return json.loads(body["body"])["error"]
+
+    async def next_frame(self, timeout: float = 3) -> str:
+        while b"\n\n" not in self.buffer:
+            message = await self.receive_output(timeout)
+            assert message["type"] == "http.response.body", message
+            self.buffer += message["body"]
+        frame, self.buffer = self.buffer.split(b"\n\n", 1)
+        return frame.decode()
+
+    async def next_event(self, timeout: float = 3) -> dict:
+        """The next event: checks the SSE fields agree with the JSON it carries."""
+        frame = await self.next_frame(timeout)
+        fields = dict(line.split(": ", 1) for line in frame.split("\n"))
+        event = json.loads(fields["data"])
+        assert (fields["id"], fields["event"]) == (event["id"], event["type"])
+        return event
+
+    async def next_ids(self, count: int) -> list[str]:
+        return [(await self.next_event())["id"] for _ in range(count)]
+
+    async def nothing_more(self, timeout: float = 0.3) -> bool:
+        return self.buffer == b"" and await self.receive_nothing(timeout)
+
+    async def close(self) -> None:
+        await self.send_input({"type": "http.disconnect"})
+        await self.wait(5)
+
+
+async def emit_many(org, count: int, type: str = "job.queued") -> list[str]:
+    return [(await emit(org, type, {"n": n})).id for n in range(count)]
+
+
+def test_it_streams_only_new_events_of_the_keys_org(org_a, org_b, key_a, stream_ready):
+    async def scenario():
+        await emit_many(org_a, 2)  # before the stream: not sent without `after`
+        client = EventStreamClient(key_a)
+        status, headers = await client.open()
+        assert status == 200
+        assert headers["content-type"] == "text/event-stream"
+        assert headers["cache-control"] == "no-cache"
+        assert headers["x-accel-buffering"] == "no"
+        await until(stream_ready)
+        # Globex's event first: had it leaked, it would be the first frame read.
+        await emit(org_b, "job.queued", {"id": "job_globex"})
+        ours = await emit(org_a, "job.completed", {"id": "job_acme"})
+        assert await client.next_event() == {
+            "id": ours.id,
+            "object": "event",
+            "type": "job.completed",
+            "created": int(ours.created.timestamp()),
+            "data": {"id": "job_acme"},
+        }
+        assert await client.nothing_more()
+        await client.close()
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("resume_with", ["last_event_id", "after"])
+def test_it_resumes_with_every_missed_event_once_then_live_ones(org_a, org_b, key_a, resume_with):
+    async def scenario():
+        seen = await emit_many(org_a, 2)
+        await emit_many(org_b, 2)
+        missed = await emit_many(org_a, 3)
+        if resume_with == "after":
+            client = EventStreamClient(key_a, {"after": seen[-1]})
+        else:
+            client = EventStreamClient(key_a, Last_Event_ID=seen[-1])
+        assert (await client.open())[0] == 200
+        assert await client.next_ids(3) == missed
+        live = await emit_many(org_a, 3)
+        assert await client.next_ids(3) == live
+        assert await client.nothing_more()
+        await client.close()
+
+    run(scenario)
+
+
+def test_last_event_id_wins_over_after(org_a, key_a):
+    """A browser's EventSource reconnects to the URL it was given, with the header set."""
+
+    async def scenario():
+        ids = await emit_many(org_a, 4)
+        client = EventStreamClient(key_a, {"after": ids[0]}, Last_Event_ID=ids[2])
+        assert (await client.open())[0] == 200
+        assert await client.next_ids(1) == [ids[3]]
+        assert await client.nothing_more()
+        await client.close()
+
+    run(scenario)
+
+
+def test_events_committed_while_the_backlog_is_read_arrive_once_in_order(org_a, key_a, monkeypatch):
+    """The backlog is read two events a query; after the first query two events commit (their
+    pushes wait in the stream's channel): each is sent once, after the backlog, in order."""
+    monkeypatch.setattr(stream, "READ_BATCH", 2)
+    read_events_after = stream._events_after
+    during_backlog: list[str] = []
+
+    def events_after_then_emit(org_id, sequence, limit):
+        batch = read_events_after(org_id, sequence, limit)
+        if not during_backlog:
+            during_backlog.extend(
+                Event.objects.emit(org_a, "job.running", {"n": n}).id for n in range(2)
+            )
+        return batch
+
+    monkeypatch.setattr(stream, "_events_after", events_after_then_emit)
+
+    async def scenario():
+        first, *backlog = await emit_many(org_a, 6)
+        client = EventStreamClient(key_a, {"after": first})
+        assert (await client.open())[0] == 200
+        assert await client.next_ids(7) == backlog + during_backlog
+        live = await emit_many(org_a, 1)
+        assert await client.next_ids(1) == live
+        assert await client.nothing_more()
+        await client.close()
+
+    run(scenario)
+
+
+def test_it_filters_by_types(org_a, key_a):
+    async def scenario():
+        (start,) = await emit_many(org_a, 1)
+        await emit(org_a, "job.queued", {})
+        failed = await emit(org_a, "job.failed", {})
+        client = EventStreamClient(key_a, {"after": start, "types": "job.completed, job.failed"})
+        assert (await client.open())[0] == 200
+        assert await client.next_ids(1) == [failed.id]
+        await emit(org_a, "job.running", {})
+        completed = await emit(org_a, "job.completed", {})
+        assert await client.next_ids(1) == [completed.id]
+        assert await client.nothing_more()
+        await client.close()
+
+    run(scenario)
+
+
+def test_a_lost_push_is_made_good_at_the_keepalive(org_a, key_a, monkeypatch):
+    monkeypatch.setattr(stream, "KEEPALIVE_S", 0.3)
+
+    async def scenario():
+        client = EventStreamClient(key_a)
+        assert (await client.open())[0] == 200
+        assert await client.next_frame() == ": keepalive"
+        monkeypatch.setattr(event_models, "push_to_org", lambda *args: None)
+        unannounced = await emit(org_a, "job.completed", {})
+        assert await client.next_frame() == ": keepalive"
+        assert (await client.next_event())["id"] == unannounced.id
+        await client.close()
+
+    run(scenario)
+
+
+def test_it_leaves_the_orgs_group_when_the_client_goes(org_a, key_a, stream_ready):
+    async def scenario():
+        client = EventStreamClient(key_a)
+        assert (await client.open())[0] == 200
+        await until(stream_ready)
+        layer = get_channel_layer()
+        assert len(layer.groups.get(org_group(org_a.pk), {})) == 1
+        await client.close()
+        assert not layer.groups.get(org_group(org_a.pk))
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("key", [None, "hk_0123456789ab_" + "x" * 43])
+def test_it_refuses_a_missing_or_wrong_key(db, key):
+    async def scenario():
+        client = EventStreamClient(key)
+        assert (await client.open())[0] == 401
+        error = await client.error()
+        assert error["type"] == "invalid_request_error"
+        assert error["code"] in {"missing_api_key", "invalid_api_key"}
+        await client.wait(5)
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("whose", ["unknown", "another_orgs"])
+def test_it_refuses_to_resume_after_an_event_not_of_the_org(org_a, org_b, key_a, whose):
+    async def scenario():
+        theirs = await emit(org_b, "job.completed", {"secret": True})
+        after = theirs.id if whose == "another_orgs" else "evt_000000000000000000000000"
+        for client in (
+            EventStreamClient(key_a, {"after": after}),
+            EventStreamClient(key_a, Last_Event_ID=after),
+        ):
+            assert (await client.open())[0] == 400
+            error = await client.error()
+            assert (error["param"], error["code"]) == ("after", "unknown_event")
+            assert "secret" not in json.dumps(error)
+            await client.wait(5)
+
+    run(scenario)
+
+
+def test_the_console_socket_replays_what_it_missed_then_goes_live(org_a, org_b):
+    cookie = session_cookie("alice", org_a)
+
+    async def scenario():
+        seen = await emit_many(org_a, 1)
+        await emit_many(org_b, 1)
+        missed = await emit_many(org_a, 3)
+        socket = communicator(cookie)
+        socket.scope["query_string"] = f"after={seen[0]}".encode()
+        assert (await socket.connect())[0]
+        assert [(await socket.receive_json_from())["id"] for _ in missed] == missed
+        live = await emit_many(org_a, 2)
+        assert [(await socket.receive_json_from())["id"] for _ in live] == live
+        assert await socket.receive_nothing(timeout=0.3)
+        await socket.disconnect()
+
+    run(scenario)
+
+
+def test_the_console_socket_refuses_to_resume_after_another_orgs_event(org_a, org_b):
+    cookie = session_cookie("alice", org_a)
+
+    async def scenario():
+        theirs = await emit(org_b, "job.completed", {})
+        socket = communicator(cookie)
+        socket.scope["query_string"] = f"after={theirs.id}".encode()
+        assert await socket.connect() == (False, 4400)
+        await socket.disconnect()
+
+    run(scenario)
+
+
+def test_an_orgs_events_commit_in_sequence_order(org_a, org_b):
+    """A second emit for the org waits for the first one's transaction to commit, so a reader
+    never sees event N+1 while event N can still appear; another org's emit does not wait."""
+    from django.db import transaction
+
+    first_written, release_first = threading.Event(), threading.Event()
+    done: dict[str, Event] = {}
+
+    def in_thread(name, work):
+        def target():
+            try:
+                done[name] = work()
+            finally:
+                connection.close()
+
+        thread = threading.Thread(target=target)
+        thread.start()
+        return thread
+
+    def first():
+        with transaction.atomic():
+            event = Event.objects.emit(org_a, "job.running", {})
+            first_written.set()
+            release_first.wait(5)
+        return event
+
+    holder = in_thread("first", first)
+    assert first_written.wait(5)
+    second = in_thread("second", lambda: Event.objects.emit(org_a, "job.running", {}))
+    other = in_thread("other", lambda: Event.objects.emit(org_b, "job.running", {}))
+    other.join(5)
+    assert "other" in done
+    second.join(0.3)
+    assert "second" not in done  # still waiting for the first transaction
+    release_first.set()
+    for thread in (holder, second):
+        thread.join(5)
+    assert done["first"].sequence < done["second"].sequence
