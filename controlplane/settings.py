@@ -170,6 +170,10 @@ _DRAMATIQ_MIDDLEWARE = [
     "dramatiq.middleware.Retries",
     "django_dramatiq.middleware.DbConnectionsMiddleware",
 ]
+# With the Redis broker, how long a consumer (a node, a worker) may go without a heartbeat before
+# the others requeue the messages it had taken: a dead node's requests go to another node after
+# this. RabbitMQ requeues at once when the connection drops.
+BROKER_HEARTBEAT_TIMEOUT_MS = env_int("HEARTH_BROKER_HEARTBEAT_TIMEOUT_MS", 60_000)
 if BROKER_URL.startswith("amqp"):
     DRAMATIQ_BROKER = {
         "BROKER": "dramatiq.brokers.rabbitmq.RabbitmqBroker",
@@ -179,7 +183,11 @@ if BROKER_URL.startswith("amqp"):
 elif BROKER_URL:
     DRAMATIQ_BROKER = {
         "BROKER": "dramatiq.brokers.redis.RedisBroker",
-        "OPTIONS": {"url": BROKER_URL, "namespace": env_str("HEARTH_BROKER_NAMESPACE", "dramatiq")},
+        "OPTIONS": {
+            "url": BROKER_URL,
+            "namespace": env_str("HEARTH_BROKER_NAMESPACE", "dramatiq"),
+            "heartbeat_timeout": BROKER_HEARTBEAT_TIMEOUT_MS,
+        },
         "MIDDLEWARE": _DRAMATIQ_MIDDLEWARE,
     }
 else:

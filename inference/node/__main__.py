@@ -34,6 +34,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--kv-cache-mb", type=int, default=512)
+    parser.add_argument(
+        "--broker-heartbeat-ms",
+        type=int,
+        default=60_000,
+        help="Redis broker: after this long without a heartbeat a consumer's messages are requeued",
+    )
     return parser.parse_args(argv)
 
 
@@ -45,7 +51,9 @@ def make_broker(args: argparse.Namespace):
         return RabbitmqBroker(url=url)
     from dramatiq.brokers.redis import RedisBroker
 
-    return RedisBroker(url=url, namespace=args.broker_namespace)
+    return RedisBroker(
+        url=url, namespace=args.broker_namespace, heartbeat_timeout=args.broker_heartbeat_ms
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,6 +47,8 @@ class Command(BaseCommand):
             str(options["max_num_seqs"]),
             "--kv-cache-mb",
             str(options["kv_cache_mb"]),
+            "--broker-heartbeat-ms",
+            str(settings.BROKER_HEARTBEAT_TIMEOUT_MS),
         ]
         if options["node_id"]:
             argv += ["--node-id", options["node_id"]]
