@@ -174,6 +174,10 @@ _DRAMATIQ_MIDDLEWARE = [
 # the others requeue the messages it had taken: a dead node's requests go to another node after
 # this. RabbitMQ requeues at once when the connection drops.
 BROKER_HEARTBEAT_TIMEOUT_MS = env_int("HEARTH_BROKER_HEARTBEAT_TIMEOUT_MS", 60_000)
+# The requeue runs as part of a fetch, on this many fetches out of a million. Dramatiq's default
+# (1,000) means an idle worker, fetching about once a second, requeues a dead one's messages after
+# about a quarter of an hour; at 100,000 it is seconds. It rides along with the fetch's script.
+BROKER_MAINTENANCE_CHANCE = env_int("HEARTH_BROKER_MAINTENANCE_CHANCE", 100_000)
 if BROKER_URL.startswith("amqp"):
     DRAMATIQ_BROKER = {
         "BROKER": "dramatiq.brokers.rabbitmq.RabbitmqBroker",
@@ -187,6 +191,7 @@ elif BROKER_URL:
             "url": BROKER_URL,
             "namespace": env_str("HEARTH_BROKER_NAMESPACE", "dramatiq"),
             "heartbeat_timeout": BROKER_HEARTBEAT_TIMEOUT_MS,
+            "maintenance_chance": BROKER_MAINTENANCE_CHANCE,
         },
         "MIDDLEWARE": _DRAMATIQ_MIDDLEWARE,
     }
@@ -224,6 +229,15 @@ JOB_DEADLINE_S = env_int("HEARTH_JOB_DEADLINE_S", 24 * 3600)
 # How many times a job may start on a node before it is failed instead of tried again (a request
 # that kills its node every time must not loop).
 JOB_MAX_ATTEMPTS = env_int("HEARTH_JOB_MAX_ATTEMPTS", 3)
+# Files (controlplane/jobs/files.py): the largest upload, in bytes (a larger one is a 400), and
+# the most requests one batch input file may hold.
+FILES_MAX_BYTES = env_int("HEARTH_FILES_MAX_BYTES", 50 * 1024 * 1024)
+BATCH_MAX_LINES = env_int("HEARTH_BATCH_MAX_LINES", 50_000)
+# Batches send all their lines for a model to one node when at least half the neighbouring
+# (sorted) prompts share this many tokens (one KV block: less never hits the prefix cache) and
+# the batch has at least this many lines (controlplane/jobs/batches.py, `wants_one_node`).
+BATCH_AFFINITY_PREFIX_TOKENS = env_int("HEARTH_BATCH_AFFINITY_PREFIX_TOKENS", 16)
+BATCH_AFFINITY_MIN_LINES = env_int("HEARTH_BATCH_AFFINITY_MIN_LINES", 4)
 # Webhooks (controlplane/events/webhooks.py). Endpoints whose host resolves to a private,
 # loopback, link-local, multicast or reserved address are refused unless this is on: a laptop or
 # a deployment whose receivers sit on the same private network.

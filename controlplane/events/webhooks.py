@@ -47,6 +47,11 @@ EVENT_TYPES = (
     "job.failed",
     "job.cancelled",
     "job.expired",
+    "batch.in_progress",
+    "batch.completed",
+    "batch.failed",
+    "batch.expired",
+    "batch.cancelled",
 )
 # How much of a receiver's answer is kept in the delivery log.
 RESPONSE_EXCERPT_BYTES = 1024

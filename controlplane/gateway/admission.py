@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 import dramatiq
 from django.conf import settings
@@ -105,16 +106,10 @@ def _admit(authorization, body, endpoint, session_affinity, reply_channel) -> Ad
         principal = principal_from_header(authorization)
     except KeyRejected as rejected:
         raise ApiError(401, str(rejected), code=rejected.code) from None
-    request = validate_completion_request(_parse(body), endpoint)
-    model = ServedModel.objects.filter(id=request.model, enabled=True).first()
-    if model is None:
-        raise ApiError(
-            404, f"The model '{request.model}' does not exist.", "model", "model_not_found"
-        )
-    tokenizer = tokenizer_for(model.source)
-    token_ids = prompt_token_ids(tokenizer, request.messages, request.prompt)
-    max_tokens = _check_context(request, model, len(token_ids))
-    route = choose_route(model.id, live_nodes(model.id), session_affinity)
+    parsed = _parse(body)
+    prepared = prepare_request(parsed, endpoint)
+    request = prepared.request
+    route = choose_route(prepared.model.id, live_nodes(prepared.model.id), session_affinity)
     if request.reject_if_busy and not route.has_room:
         raise ApiError(
             429,
@@ -123,7 +118,6 @@ def _admit(authorization, body, endpoint, session_affinity, reply_channel) -> Ad
             code="out_of_capacity",
             headers={"retry-after": str(RETRY_AFTER_S)},
         )
-    sampling = {"temperature": 1.0, **request.sampling, "max_tokens": max_tokens}
     # A queued job may wait up to its deadline (24 h unless it says); a synchronous one no longer
     # than the gateway waits for it.
     window = (
@@ -134,26 +128,79 @@ def _admit(authorization, body, endpoint, session_affinity, reply_channel) -> Ad
         )
     )
     deadline = time.time() + window
-    job = Job.objects.submit(
+    job = submit_prepared(
+        prepared,
+        principal,
+        endpoint,
+        mode=Job.ASYNC if request.queue else Job.SYNC,
+        deadline=deadline,
+        session_affinity=session_affinity or "",
+    )
+    enqueue_job(job, route, None if request.queue else reply_channel, deadline)
+    return Admission(
+        job=job, request=request, route=route, prompt_tokens=len(prepared.prompt_token_ids)
+    )
+
+
+@dataclass
+class PreparedRequest:
+    """A validated, tokenized request that fits its model's context: everything a Job needs."""
+
+    body: dict
+    request: CompletionRequest
+    model: ServedModel
+    prompt_token_ids: list[int]
+    sampling: dict
+
+
+def prepare_request(body: Any, endpoint: str) -> PreparedRequest:
+    """Validate a parsed body for `endpoint` ("chat.completions" or "completions"), find its
+    model, tokenize it with the model's own template and check the context; ApiError otherwise.
+    The completion views and each line of a batch go through this same step."""
+    request = validate_completion_request(body, endpoint)
+    model = ServedModel.objects.filter(id=request.model, enabled=True).first()
+    if model is None:
+        raise ApiError(
+            404, f"The model '{request.model}' does not exist.", "model", "model_not_found"
+        )
+    tokenizer = tokenizer_for(model.source)
+    token_ids = prompt_token_ids(tokenizer, request.messages, request.prompt)
+    max_tokens = _check_context(request, model, len(token_ids))
+    sampling = {"temperature": 1.0, **request.sampling, "max_tokens": max_tokens}
+    return PreparedRequest(body, request, model, token_ids, sampling)
+
+
+def submit_prepared(
+    prepared: PreparedRequest,
+    principal,
+    endpoint: str,
+    mode: str,
+    deadline: float,
+    **fields: Any,
+) -> Job:
+    """The queued Job (and its `job.queued` event) for a prepared request."""
+    return Job.objects.submit(
         org=principal.org,
         api_key=principal.api_key,
-        model=model.id,
-        mode=Job.ASYNC if request.queue else Job.SYNC,
+        model=prepared.model.id,
+        mode=mode,
         endpoint=endpoint,
-        session_affinity=session_affinity or "",
-        request=_parse(body),
-        prompt_token_ids=token_ids,
-        sampling=sampling,
+        request=prepared.body,
+        prompt_token_ids=prepared.prompt_token_ids,
+        sampling=prepared.sampling,
         deadline_at=datetime.fromtimestamp(deadline, tz=UTC),
+        **fields,
     )
+
+
+def enqueue_job(job: Job, route: Route, reply_channel: str | None, deadline: float) -> None:
+    """Send the job's generation message to its route; a broker that refuses it fails the job
+    and answers 503."""
     try:
-        _enqueue(
-            route.queue, job.generation_message(None if request.queue else reply_channel, deadline)
-        )
+        _enqueue(route.queue, job.generation_message(reply_channel, deadline))
     except Exception as error:
         logger.exception("enqueue of %s failed", job.id)
         job.fail(f"the broker refused the request: {error}")
         raise ApiError(
             503, "The request could not be queued; try again.", code="broker_unavailable"
         ) from error
-    return Admission(job=job, request=request, route=route, prompt_tokens=len(token_ids))

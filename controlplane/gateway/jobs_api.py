@@ -17,10 +17,10 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from controlplane.gateway.pagination import cursor_page
 from controlplane.jobs.models import Job
 from controlplane.jobs.serializers import job_object
 
-DEFAULT_LIMIT, MAX_LIMIT = 20, 100
 # The window the queue-time estimate measures the model's recent throughput over.
 THROUGHPUT_WINDOW = timedelta(minutes=5)
 
@@ -57,7 +57,6 @@ class JobList(APIView):
     def get(self, request: Request) -> Response:
         org = request.user.org
         Job.objects.expire_overdue(org=org)
-        limit = self._limit(request.query_params.get("limit"))
         jobs = Job.objects.select_related("org").filter(org=org)
         status = request.query_params.get("status")
         if status is not None:
@@ -66,33 +65,9 @@ class JobList(APIView):
                     {"status": [f"'status' must be one of {sorted(dict(Job.STATUSES))}."]}
                 )
             jobs = jobs.filter(status=status)
-        after = request.query_params.get("after")
-        if after is not None:
-            cursor = Job.objects.filter(id=after, org=org).first()
-            if cursor is None:
-                raise ValidationError({"after": [f"No job with id '{after}'."]})
-            jobs = jobs.filter(
-                Q(created__lt=cursor.created) | Q(created=cursor.created, id__lt=cursor.id)
-            )
-        page = list(jobs.order_by("-created", "-id")[: limit + 1])
-        data = [{**job_object(job), **queue_estimate(job)} for job in page[:limit]]
-        return Response(
-            {
-                "object": "list",
-                "data": data,
-                "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None,
-                "has_more": len(page) > limit,
-            }
+        return cursor_page(
+            jobs, Job, request, lambda job: {**job_object(job), **queue_estimate(job)}
         )
-
-    @staticmethod
-    def _limit(raw: str | None) -> int:
-        if raw is None:
-            return DEFAULT_LIMIT
-        if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
-            raise ValidationError({"limit": [f"'limit' must be an integer from 1 to {MAX_LIMIT}."]})
-        return int(raw)
 
 
 class JobDetail(APIView):

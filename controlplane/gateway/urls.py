@@ -1,6 +1,6 @@
 from django.urls import include, path
 
-from controlplane.gateway import completions, jobs_api, views
+from controlplane.gateway import batches_api, completions, jobs_api, views
 
 urlpatterns = [
     path("models", views.ModelList.as_view()),
@@ -10,5 +10,11 @@ urlpatterns = [
     path("jobs", jobs_api.JobList.as_view()),
     path("jobs/<str:job_id>", jobs_api.JobDetail.as_view()),
     path("jobs/<str:job_id>/cancel", jobs_api.JobCancel.as_view()),
+    path("files", batches_api.FileList.as_view()),
+    path("files/<str:file_id>", batches_api.FileDetail.as_view()),
+    path("files/<str:file_id>/content", batches_api.FileContent.as_view()),
+    path("batches", batches_api.BatchList.as_view()),
+    path("batches/<str:batch_id>", batches_api.BatchDetail.as_view()),
+    path("batches/<str:batch_id>/cancel", batches_api.BatchCancel.as_view()),
     path("", include("controlplane.events.urls")),
 ]

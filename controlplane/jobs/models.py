@@ -171,6 +171,11 @@ class Job(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
     deadline_at = models.DateTimeField(null=True, blank=True)
     cancel_requested_at = models.DateTimeField(null=True, blank=True)
+    # A batch's job: its batch, and the `custom_id` of the input line it answers.
+    batch = models.ForeignKey(
+        "jobs.Batch", on_delete=models.CASCADE, null=True, blank=True, related_name="jobs"
+    )
+    custom_id = models.CharField(max_length=512, blank=True)
 
     objects = JobManager()
 
@@ -268,10 +273,18 @@ class Job(models.Model):
         return bool(failed)
 
     def emit(self, type: str) -> Event:
-        """Record a state change of this job in the org's event log (and push it)."""
+        """Record a state change of this job in the org's event log (and push it).
+
+        Every terminal transition emits exactly once, in its own transaction, so this is where a
+        batch counts its settled jobs. The count comes after the event: every settling
+        transaction then takes the org's event lock before the batch row, never the reverse,
+        so two of them cannot deadlock."""
         from controlplane.jobs.serializers import job_object
 
-        return Event.objects.emit(self.org, type, job_object(self))
+        event = Event.objects.emit(self.org, type, job_object(self))
+        if self.batch_id is not None and self.status in Job.TERMINAL:
+            Batch.objects.job_settled(self)
+        return event
 
     def generation_message(
         self, reply_channel: str | None = None, deadline: float | None = None
@@ -288,3 +301,8 @@ class Job(models.Model):
             "deadline": deadline,
             "attempt": self.attempts + 1,
         }
+
+
+# Files and batches live in their own modules; Django registers an app's models from this one.
+from controlplane.jobs.batches import Batch  # noqa: E402
+from controlplane.jobs.files import File  # noqa: E402, F401
