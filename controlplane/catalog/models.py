@@ -7,8 +7,34 @@ read back.
 
 from __future__ import annotations
 
+import time
+
 from django.db import models
+from django.db.models.signals import post_delete, post_save
+from django.dispatch import receiver
 from django.utils import timezone
+
+# How long a gateway process reuses a catalog row it read: the admission path reads one per
+# request (about 1 ms here). A model disabled or changed elsewhere is seen within this; a change
+# made in the same process clears the cache at once.
+CATALOG_CACHE_S = 1.0
+_enabled_cache: dict[str, tuple[float, ServedModel]] = {}
+
+
+class ServedModelManager(models.Manager["ServedModel"]):
+    def enabled(self, model_id: str) -> ServedModel | None:
+        """The enabled model `model_id`, read from the database at most every CATALOG_CACHE_S
+        per process (a miss is never cached, so a new model is served at once)."""
+        now = time.monotonic()
+        hit = _enabled_cache.get(model_id)
+        if hit is not None and now - hit[0] < CATALOG_CACHE_S:
+            return hit[1]
+        model = self.filter(id=model_id, enabled=True).first()
+        if model is None:
+            _enabled_cache.pop(model_id, None)
+        else:
+            _enabled_cache[model_id] = (now, model)
+        return model
 
 
 class ServedModel(models.Model):
@@ -21,6 +47,8 @@ class ServedModel(models.Model):
     owned_by = models.CharField(max_length=100, default="hearth")
     enabled = models.BooleanField(default=True)
     created = models.DateTimeField(auto_now_add=True)
+
+    objects = ServedModelManager()
 
     def __str__(self) -> str:
         return self.id
@@ -49,3 +77,9 @@ class Price(models.Model):
                 name="cached_input_not_dearer",
             ),
         ]
+
+
+@receiver(post_save, sender=ServedModel)
+@receiver(post_delete, sender=ServedModel)
+def _forget_cached_models(**kwargs) -> None:
+    _enabled_cache.clear()

@@ -158,7 +158,7 @@ def prepare_request(body: Any, endpoint: str) -> PreparedRequest:
     model, tokenize it with the model's own template and check the context; ApiError otherwise.
     The completion views and each line of a batch go through this same step."""
     request = validate_completion_request(body, endpoint)
-    model = ServedModel.objects.filter(id=request.model, enabled=True).first()
+    model = ServedModel.objects.enabled(request.model)
     if model is None:
         raise ApiError(
             404, f"The model '{request.model}' does not exist.", "model", "model_not_found"

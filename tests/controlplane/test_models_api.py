@@ -57,3 +57,20 @@ def test_the_official_sdk_lists_and_retrieves_models(live_server, smollm2):
     with pytest.raises(openai.AuthenticationError) as error:
         bad.models.list()
     assert error.value.code == "invalid_api_key"
+
+
+def test_the_gateways_catalog_cache_sees_changes_within_its_window(db, monkeypatch):
+    from controlplane.catalog import models as catalog
+
+    model = ServedModel.objects.create(id="cached", source="x", context_length=64)
+    assert ServedModel.objects.enabled("cached").context_length == 64
+    model.context_length = 128
+    model.save()  # a change in this process clears the cache at once
+    assert ServedModel.objects.enabled("cached").context_length == 128
+    # Another process disables it (no signal here): served from the cache within the window,
+    # refused after it.
+    ServedModel.objects.filter(id="cached").update(enabled=False)
+    assert ServedModel.objects.enabled("cached") is not None
+    monkeypatch.setattr(catalog, "CATALOG_CACHE_S", 0.0)
+    assert ServedModel.objects.enabled("cached") is None
+    assert ServedModel.objects.enabled("never-existed") is None
