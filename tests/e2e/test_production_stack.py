@@ -49,3 +49,71 @@ def test_the_openai_sdk_drives_the_production_stack(stack, tiny_model, acme_key)
             .values_list("type", flat=True)
         )
         assert types == ["job.queued", "job.running", "job.completed"], (job.id, types)
+
+
+def test_the_openai_sdk_runs_a_batch_and_a_cancel_on_the_production_stack(
+    stack, tiny_model, acme_key
+):
+    import io
+    import json
+
+    import openai
+
+    stack.start_node(tiny_model.id, "node-a")
+    stack.wait_ready(tiny_model.id, nodes=1, api_key=acme_key)
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=acme_key, max_retries=0)
+    system = "You review code for a living. " * 8
+    lines = [
+        {
+            "custom_id": f"review-{index}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": tiny_model.id,
+                "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": f"change {index}"},
+                ],
+                "max_tokens": 6,
+                "temperature": 0,
+            },
+        }
+        for index in range(4)
+    ]
+    content = "\n".join(json.dumps(line) for line in lines).encode()
+    try:
+        uploaded = client.files.create(file=("reviews.jsonl", io.BytesIO(content)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        wait_for(
+            lambda: client.batches.retrieve(batch.id).status == "completed",
+            what="the batch completed",
+        )
+        done = client.batches.retrieve(batch.id)
+        assert done.request_counts.total == 4 and done.request_counts.completed == 4
+        output = [json.loads(x) for x in client.files.content(done.output_file_id).text.split()]
+    except Exception:
+        print(stack.outputs())
+        raise
+    assert sorted(line["custom_id"] for line in output) == [f"review-{i}" for i in range(4)]
+    usages = [line["response"]["body"]["usage"] for line in output]
+    assert all(u["completion_tokens"] >= 1 for u in usages)
+    assert all("cached_tokens" in u["prompt_tokens_details"] for u in usages)
+    jobs = Job.objects.filter(mode=Job.BATCH)
+    assert jobs.count() == 4 and UsageRecord.objects.filter(mode=Job.BATCH).count() == 4
+
+    # A queued job cancelled through the generic client: settled cancelled, never billed.
+    queued = client.chat.completions.with_raw_response.create(
+        model=tiny_model.id,
+        messages=[{"role": "user", "content": "never mind"}],
+        max_tokens=4,
+        extra_body={"queue": True, "deadline_s": 600},
+    ).http_response.json()
+    cancelled = client.post(f"/jobs/{queued['id']}/cancel", cast_to=object)
+    assert cancelled["status"] in ("cancelled", "running", "completed")
+    wait_for(
+        lambda: Job.objects.get(id=queued["id"]).status in Job.TERMINAL, what="the job settled"
+    )
+    listed = client.get("/jobs", cast_to=object, options={"params": {"limit": 10}})
+    assert queued["id"] in [job["id"] for job in listed["data"]]
