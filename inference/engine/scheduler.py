@@ -5,6 +5,11 @@ Each step: sequences that are decoding get their one token first; sequences in t
 sequence slots and KV blocks last. A long prompt is cut into chunks so it never holds decoding
 back for more than one step. When a running sequence needs a block and none is free, the most
 recently admitted sequence is preempted: its blocks are freed and it is recomputed later.
+
+A waiting sequence whose next uncached block another sequence computes in this very step waits a
+step (others behind it are admitted meanwhile): requests that arrive together with a shared
+prefix (a batch's lines, an agent's parallel calls) then reuse that prefix from the cache instead
+of each prefilling it side by side.
 """
 
 from __future__ import annotations
@@ -102,17 +107,19 @@ class Scheduler:
             (decodes if num_new == 1 else prefills).append(ScheduledSequence(seq, num_new))
             budget -= num_new
 
-        while (
-            not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
-        ):
-            seq = self.waiting[0]
+        computing = self._blocks_computed_this_step(prefills)
+        for seq in list(self.waiting):
+            if preempted or budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
             hits = self.block_manager.match_prefix(seq)
+            if self._waits_for_a_shared_block(seq, len(hits), computing):
+                continue
             computed = len(hits) * self.block_manager.block_size
             num_new = min(seq.num_tokens - computed, budget)
             needed = self.block_manager.blocks_needed(seq, num_new, hits)
             if needed > self.block_manager.num_free_blocks:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.block_manager.admit(seq, hits)
             allocated = self.block_manager.allocate_slots(seq, num_new)
             assert allocated, "blocks_needed promised enough free blocks"
@@ -120,10 +127,32 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             self.running.append(seq)
-            (decodes if num_new == 1 else prefills).append(ScheduledSequence(seq, num_new))
+            scheduled = ScheduledSequence(seq, num_new)
+            (decodes if num_new == 1 else prefills).append(scheduled)
+            computing |= self._blocks_computed_this_step([scheduled])
             budget -= num_new
 
         return SchedulerOutput(decodes + prefills, expired, preempted)
+
+    def _blocks_computed_this_step(self, scheduled: list[ScheduledSequence]) -> set[bytes]:
+        """Hashes of the full blocks the scheduled prefills complete in this step."""
+        if not self.block_manager.enable_prefix_caching:
+            return set()
+        size = self.block_manager.block_size
+        hashes: set[bytes] = set()
+        for item in scheduled:
+            seq = item.seq
+            done = seq.full_block_hashes(seq.num_computed_tokens + item.num_new_tokens, size)
+            hashes.update(done[seq.num_computed_tokens // size :])
+        return hashes
+
+    def _waits_for_a_shared_block(self, seq: Sequence, num_hits: int, computing: set[bytes]):
+        """Whether the first block `seq` would compute is being computed by another sequence now
+        (it will be in the cache after this step)."""
+        if not computing:
+            return False
+        upcoming = seq.full_block_hashes(seq.num_tokens - 1, self.block_manager.block_size)
+        return num_hits < len(upcoming) and upcoming[num_hits] in computing
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1

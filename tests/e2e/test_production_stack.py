@@ -62,7 +62,7 @@ def test_the_openai_sdk_runs_a_batch_and_a_cancel_on_the_production_stack(
     stack.start_node(tiny_model.id, "node-a")
     stack.wait_ready(tiny_model.id, nodes=1, api_key=acme_key)
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=acme_key, max_retries=0)
-    system = "You review code for a living. " * 8
+    system = "You review code for a living. " * 8  # a shared prefix of several KV blocks
     lines = [
         {
             "custom_id": f"review-{index}",
@@ -99,7 +99,9 @@ def test_the_openai_sdk_runs_a_batch_and_a_cancel_on_the_production_stack(
     assert sorted(line["custom_id"] for line in output) == [f"review-{i}" for i in range(4)]
     usages = [line["response"]["body"]["usage"] for line in output]
     assert all(u["completion_tokens"] >= 1 for u in usages)
-    assert all("cached_tokens" in u["prompt_tokens_details"] for u in usages)
+    # The lines share their system prompt and reach one node in prefix order; the engine lets
+    # the first compute it and the others take it from the cache.
+    assert sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages) > 0
     jobs = Job.objects.filter(mode=Job.BATCH)
     assert jobs.count() == 4 and UsageRecord.objects.filter(mode=Job.BATCH).count() == 4
 

@@ -227,3 +227,20 @@ def test_stats_and_cached_hashes_let_a_gateway_route_on_prefixes(tiny_llama_dir)
     stats = engine.stats()
     assert stats.prefix_cache_hit_tokens == 48
     assert stats.prefix_cache_query_tokens == 2 * len(prompt)
+
+
+def test_requests_arriving_together_with_a_shared_prefix_reuse_it(tiny_llama_dir):
+    """The first computes the shared blocks; the others wait one step and take them from the
+    cache, instead of prefilling the same prefix side by side. Greedy output is unchanged."""
+    shared = list(range(10, 58))  # three full blocks of 16
+    prompts = [shared + [100 + i, 200 + i, 300 + i] for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    together = LLM(str(tiny_llama_dir), dtype="float32").generate(prompts, params)
+    assert [r.cached_tokens for r in together] == [0, 48, 48, 48]
+    alone = [
+        LLM(str(tiny_llama_dir), dtype="float32", enable_prefix_caching=False).generate(
+            [prompt], params
+        )[0]
+        for prompt in prompts[:2]
+    ]
+    assert [r.token_ids for r in together[:2]] == [r.token_ids for r in alone]
