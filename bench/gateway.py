@@ -32,7 +32,6 @@ import tempfile
 import threading
 import time
 from datetime import UTC, datetime
-from decimal import Decimal
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -77,17 +76,13 @@ def setup_django(database_url: str, redis_url: str, namespace: str) -> None:
 
 
 def seed(model_id: str, source: Path) -> str:
+    from controlplane.accounts.management.commands.demo import DEMO_PRICES
     from controlplane.accounts.models import ApiKey, Org
     from controlplane.catalog.models import Price, ServedModel
 
     org = Org.objects.create(slug="bench", name="Bench")
     model = ServedModel.objects.create(id=model_id, source=str(source), context_length=256)
-    Price.objects.create(
-        model=model,
-        input_per_mtok=Decimal("0.60"),
-        cached_input_per_mtok=Decimal("0.10"),
-        output_per_mtok=Decimal("3.00"),
-    )
+    Price.objects.create(model=model, **DEMO_PRICES)
     _, key = ApiKey.objects.create_key(org, "bench")
     return key
 

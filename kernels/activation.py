@@ -14,8 +14,8 @@ import triton.language as tl
 
 from kernels.rounding import round_to
 
-# Triton kernels take the activation as a constexpr code.
-_ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+# Triton kernels take the activation as a constexpr code (0 is left for "none").
+ACTIVATIONS = {"silu": 1, "gelu": 2, "gelu_tanh": 3}
 
 
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
@@ -28,6 +28,25 @@ def gelu_and_mul_torch(x: torch.Tensor, approximate: str = "none") -> torch.Tens
     """GeGLU: gelu(gate) * up, where x = [gate | up]; `approximate` is "none" (erf) or "tanh"."""
     gate, up = x.chunk(2, dim=-1)
     return F.gelu(gate, approximate=approximate).mul_(up)
+
+
+@triton.jit
+def activate(g, ACTIVATION: tl.constexpr):
+    """silu, gelu (erf) or gelu (tanh) of the float32 tile `g`, by its ACTIVATIONS code; shared by
+    the gated-MLP kernels here and the fused MoE's GEMM epilogue."""
+    if ACTIVATION == 1:
+        act = g / (1.0 + tl.exp(-g))
+    elif ACTIVATION == 2:
+        act = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+    else:
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        # tanh from exp, which every backend (and the interpreter) has; on |z| so that exp never
+        # overflows.
+        decay = tl.exp(-2.0 * tl.abs(inner))
+        tanh = (1.0 - decay) / (1.0 + decay)
+        tanh = tl.where(inner < 0, -tanh, tanh)
+        act = 0.5 * g * (1.0 + tanh)
+    return act
 
 
 @triton.jit
@@ -44,19 +63,7 @@ def _gated_kernel(
     gate = tl.load(x_ptr + row * 2 * width + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * 2 * width + width + cols, mask=mask, other=0.0)
     dtype = gate.dtype
-    g = gate.to(tl.float32)
-    if ACTIVATION == 0:
-        act = g / (1.0 + tl.exp(-g))
-    elif ACTIVATION == 1:
-        act = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
-    else:
-        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        # tanh from exp, which every backend (and the interpreter) has; on |z| so that exp never
-        # overflows.
-        decay = tl.exp(-2.0 * tl.abs(inner))
-        tanh = (1.0 - decay) / (1.0 + decay)
-        tanh = tl.where(inner < 0, -tanh, tanh)
-        act = 0.5 * g * (1.0 + tanh)
+    act = activate(gate.to(tl.float32), ACTIVATION)
     # The activation is rounded to the input dtype before the product, as the reference's is.
     out = round_to(act, dtype).to(tl.float32) * up.to(tl.float32)
     tl.store(out_ptr + row * width + cols, round_to(out, dtype), mask=mask)
@@ -69,7 +76,7 @@ def _gated_triton(x: torch.Tensor, activation: str) -> torch.Tensor:
     block = min(triton.next_power_of_2(width), 1024)
     grid = (rows.shape[0], triton.cdiv(width, block))
     if rows.shape[0]:
-        _gated_kernel[grid](rows, out, width, ACTIVATION=_ACTIVATIONS[activation], BLOCK=block)
+        _gated_kernel[grid](rows, out, width, ACTIVATION=ACTIVATIONS[activation], BLOCK=block)
     return out.view(*x.shape[:-1], width)
 
 

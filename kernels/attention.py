@@ -130,9 +130,11 @@ def build_paged_attention_batch(
         decode_slots,
         decode_mask,
         prefills,
-        [list(blocks) for blocks in block_tables],
-        list(query_lens),
-        list(context_lens),
+        # Kept as given, not copied: kernel_batch() reads them within this step, before the
+        # scheduler changes any block table again.
+        block_tables,
+        query_lens,
+        context_lens,
         device,
     )
 

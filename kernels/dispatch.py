@@ -32,6 +32,12 @@ class Op:
     reference: Callable
     triton: Callable | None = None
 
+    def __post_init__(self) -> None:
+        # Only the ops that are torch's by design may lack a kernel, so `select` never has to
+        # find one missing at run time.
+        if self.triton is None and self.name not in TORCH_ONLY_OPS:
+            raise ValueError(f"op {self.name!r} needs a Triton kernel")
+
 
 def _forced_backend_from_env() -> str | None:
     value = os.environ.get("HEARTH_KERNELS", "").strip().lower()
@@ -55,10 +61,8 @@ def forced_backend() -> str | None:
 def select(op: Op, tensor: torch.Tensor) -> Callable:
     """Return the implementation of `op` to run on `tensor`."""
     backend = _forced_backend
-    if backend == "torch" or op.name in TORCH_ONLY_OPS:
+    if backend == "torch" or op.triton is None:
         return op.reference
     if backend == "triton" or tensor.is_cuda:
-        if op.triton is None:
-            raise NotImplementedError(f"op {op.name!r} has no Triton kernel")
         return op.triton
     return op.reference

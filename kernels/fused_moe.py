@@ -38,7 +38,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-_ACTIVATIONS = {"silu": 1, "gelu": 2}
+from kernels.activation import ACTIVATIONS, activate
+
+# The gated activations a MoE expert may use (codes from kernels.activation).
+_MOE_ACTIVATIONS = ("silu", "gelu")
 
 
 def select_experts(
@@ -147,8 +150,10 @@ def _check_moe_shapes(
             f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)}"
             f" must both be [{num_tokens}, top_k]"
         )
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
+    if activation not in _MOE_ACTIVATIONS:
+        raise ValueError(
+            f"activation must be one of {sorted(_MOE_ACTIVATIONS)}, got {activation!r}"
+        )
     if out is not None and (out.shape != hidden_states.shape or out.dtype != hidden_states.dtype):
         raise ValueError(f"out must be {hidden_states.dtype} {tuple(hidden_states.shape)}")
 
@@ -339,10 +344,8 @@ def _grouped_gemm_kernel(
         b_ptrs += BLOCK_K * stride_bk
 
     # The activation runs on the fp32 accumulators, before any rounding to the output dtype.
-    if ACTIVATION == 1:
-        acc = acc * tl.sigmoid(acc) * acc_up
-    elif ACTIVATION == 2:
-        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476)) * acc_up
+    if ACTIVATION != 0:
+        acc = activate(acc, ACTIVATION) * acc_up
     if MUL_ROUTED_WEIGHT:
         routing_weight = tl.load(topk_weights_ptr + pair, mask=pair_mask, other=0.0)
         acc = acc * routing_weight.to(tl.float32)[:, None]
@@ -457,7 +460,7 @@ def fused_moe_triton(
         topk_weights,
         routing,
         a_rows_divisor=top_k,
-        activation=_ACTIVATIONS[activation],
+        activation=ACTIVATIONS[activation],
         mul_routed_weight=False,
         block_n=config.block_n_gated,
         config=config,

@@ -37,6 +37,8 @@ from django.conf import settings
 from django.db import models, transaction
 from django.utils import timezone
 
+from controlplane.gateway.responses import epoch_seconds
+
 logger = logging.getLogger(__name__)
 
 # The event types an endpoint may subscribe to: those the control plane emits.
@@ -382,10 +384,6 @@ class WebhookDelivery(models.Model):
         WebhookDelivery.objects.filter(pk=self.pk).update(**fields)
 
 
-def _epoch(moment) -> int | None:
-    return int(moment.timestamp()) if moment else None
-
-
 def endpoint_object(endpoint: WebhookEndpoint, with_secret: bool = False) -> dict[str, Any]:
     """The endpoint as the API shows it; the secret only when just created or rotated."""
     body: dict[str, Any] = {
@@ -396,7 +394,7 @@ def endpoint_object(endpoint: WebhookEndpoint, with_secret: bool = False) -> dic
         "description": endpoint.description,
         "enabled": endpoint.enabled,
         "disabled_reason": endpoint.disabled_reason or None,
-        "created": _epoch(endpoint.created),
+        "created": epoch_seconds(endpoint.created),
     }
     if with_secret:
         body["secret"] = endpoint.secret
@@ -416,7 +414,7 @@ def delivery_object(delivery: WebhookDelivery) -> dict[str, Any]:
         "response_body": delivery.response_body,
         "error": delivery.error or None,
         "duration_ms": delivery.duration_ms,
-        "created": _epoch(delivery.created),
-        "scheduled_at": _epoch(delivery.scheduled_at),
-        "next_attempt_at": _epoch(delivery.next_attempt_at),
+        "created": epoch_seconds(delivery.created),
+        "scheduled_at": epoch_seconds(delivery.scheduled_at),
+        "next_attempt_at": epoch_seconds(delivery.next_attempt_at),
     }

@@ -13,6 +13,11 @@ from typing import Any
 _FINISH_REASONS = {"stop": "stop", "length": "length", "deadline": "length", "abort": "length"}
 
 
+def epoch_seconds(moment) -> int | None:
+    """A datetime as the API shows it, Unix seconds; None stays None."""
+    return int(moment.timestamp()) if moment else None
+
+
 def finish_reason(engine_reason: str | None) -> str | None:
     if engine_reason is None:
         return None

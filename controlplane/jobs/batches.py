@@ -34,6 +34,7 @@ from django.utils import timezone
 from controlplane.catalog.registry import live_nodes
 from controlplane.events.models import Event
 from controlplane.gateway.errors import ApiError
+from controlplane.gateway.responses import epoch_seconds
 from controlplane.gateway.routing import choose_route
 from controlplane.jobs.files import BATCH_URLS, File, parse_batch_lines
 
@@ -425,9 +426,6 @@ class Batch(models.Model):
         """OpenAI's Batch object. Fields without a value are left out rather than null: the
         published schema types them as plain strings and integers."""
 
-        def epoch(moment) -> int | None:
-            return int(moment.timestamp()) if moment else None
-
         errors = None
         if self.status == Batch.FAILED and self.invalid_lines:
             errors = {
@@ -453,15 +451,15 @@ class Batch(models.Model):
             "status": self.status,
             "output_file_id": self.output_file_id or None,
             "error_file_id": self.error_file_id or None,
-            "created_at": epoch(self.created),
-            "in_progress_at": epoch(self.in_progress_at),
-            "expires_at": epoch(self.expires_at),
-            "finalizing_at": epoch(self.finalizing_at),
-            "completed_at": epoch(self.completed_at),
-            "failed_at": epoch(self.failed_at),
-            "expired_at": epoch(self.expired_at),
-            "cancelling_at": epoch(self.cancelling_at),
-            "cancelled_at": epoch(self.cancelled_at),
+            "created_at": epoch_seconds(self.created),
+            "in_progress_at": epoch_seconds(self.in_progress_at),
+            "expires_at": epoch_seconds(self.expires_at),
+            "finalizing_at": epoch_seconds(self.finalizing_at),
+            "completed_at": epoch_seconds(self.completed_at),
+            "failed_at": epoch_seconds(self.failed_at),
+            "expired_at": epoch_seconds(self.expired_at),
+            "cancelling_at": epoch_seconds(self.cancelling_at),
+            "cancelled_at": epoch_seconds(self.cancelled_at),
             "request_counts": {
                 "total": self.total,
                 "completed": self.completed,

@@ -4,18 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from controlplane.gateway.responses import completion_response, usage_object
-
-
-def _epoch(moment) -> int | None:
-    return int(moment.timestamp()) if moment else None
+from controlplane.gateway.responses import completion_response, epoch_seconds, usage_object
 
 
 def job_object(job) -> dict[str, Any]:
     """`{"id": "job_…", "object": "job", "status", …}`; a completed job carries the full
     completion `response` (what the sync request would have answered), `usage` and `cost`."""
     result = job.result or {}
-    created = _epoch(job.created)
+    created = epoch_seconds(job.created)
     response = None
     if job.status == job.COMPLETED and result:
         response = completion_response(
@@ -36,15 +32,15 @@ def job_object(job) -> dict[str, Any]:
         "endpoint": f"/v1/{job.endpoint}",
         "request_id": job.request_id,
         "created": created,
-        "started_at": _epoch(job.started_at),
-        "finished_at": _epoch(job.finished_at),
+        "started_at": epoch_seconds(job.started_at),
+        "finished_at": epoch_seconds(job.finished_at),
         "node": job.node or None,
         "attempts": job.attempts,
         "usage": usage_object(result["usage"]) if result.get("usage") else None,
         "cost": result.get("cost"),
         "response": response,
-        "deadline_at": _epoch(job.deadline_at),
-        "cancel_requested_at": _epoch(job.cancel_requested_at),
+        "deadline_at": epoch_seconds(job.deadline_at),
+        "cancel_requested_at": epoch_seconds(job.cancel_requested_at),
         "error": {"message": job.error, "code": _ERROR_CODES.get(job.status, "generation_failed")}
         if job.error
         else None,

@@ -108,18 +108,21 @@ class Scheduler:
             budget -= num_new
 
         computing = self._blocks_computed_this_step(prefills)
-        for seq in list(self.waiting):
-            if preempted or budget == 0 or len(self.running) >= self.max_num_seqs:
-                break
+        deferred: list[Sequence] = []
+        while (
+            not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+        ):
+            seq = self.waiting[0]
             hits = self.block_manager.match_prefix(seq)
             if self._waits_for_a_shared_block(seq, len(hits), computing):
+                deferred.append(self.waiting.popleft())
                 continue
             computed = len(hits) * self.block_manager.block_size
             num_new = min(seq.num_tokens - computed, budget)
             needed = self.block_manager.blocks_needed(seq, num_new, hits)
             if needed > self.block_manager.num_free_blocks:
                 break
-            self.waiting.remove(seq)
+            self.waiting.popleft()
             self.block_manager.admit(seq, hits)
             allocated = self.block_manager.allocate_slots(seq, num_new)
             assert allocated, "blocks_needed promised enough free blocks"
@@ -131,6 +134,7 @@ class Scheduler:
             (decodes if num_new == 1 else prefills).append(scheduled)
             computing |= self._blocks_computed_this_step([scheduled])
             budget -= num_new
+        self.waiting.extendleft(reversed(deferred))  # first in line again next step
 
         return SchedulerOutput(decodes + prefills, expired, preempted)
 

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from decimal import Decimal
-
 import pytest
 
+from controlplane.accounts.management.commands.demo import DEMO_PRICES
 from controlplane.accounts.models import ApiKey, Org
 from controlplane.catalog.models import Price, ServedModel
+
+
+def priced_model(model_id: str, source: str, context_length: int) -> ServedModel:
+    """A catalog model at the demo prices (input 0.60, cached input 0.10, output 3.00 per 1M)."""
+    model = ServedModel.objects.create(id=model_id, source=source, context_length=context_length)
+    Price.objects.create(model=model, **DEMO_PRICES)
+    return model
 
 
 @pytest.fixture
@@ -34,16 +40,13 @@ def key_b(org_b):
 
 @pytest.fixture
 def smollm2(db):
-    model = ServedModel.objects.create(
-        id="SmolLM2-135M-Instruct", source="SmolLM2-135M-Instruct", context_length=8192
-    )
-    Price.objects.create(
-        model=model,
-        input_per_mtok=Decimal("0.60"),
-        cached_input_per_mtok=Decimal("0.10"),
-        output_per_mtok=Decimal("3.00"),
-    )
-    return model
+    return priced_model("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct", 8192)
+
+
+@pytest.fixture
+def tiny(tiny_llama_dir):
+    """The tiny random Llama as catalog model `tiny`, with a 64-token context."""
+    return priced_model("tiny", str(tiny_llama_dir), 64)
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ import io
 import json
 import threading
 from datetime import timedelta
-from decimal import Decimal
 
 import dramatiq
 import openai
@@ -22,7 +21,6 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from django.db import connections
 from django.utils import timezone
 
-from controlplane.catalog.models import Price, ServedModel
 from controlplane.catalog.registry import use_memory_heartbeat
 from controlplane.events.models import Event
 from controlplane.jobs.batches import Batch, wants_one_node
@@ -30,6 +28,7 @@ from controlplane.jobs.files import File
 from controlplane.jobs.models import Job
 from inference.node.heartbeat import MemoryHeartbeat
 from inference.node.protocol import model_queue, node_queue
+from tests.controlplane.conftest import priced_model
 from tests.controlplane.openai_spec import validate
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -54,13 +53,7 @@ def drain(queue: str) -> list[dict]:
 
 @pytest.fixture
 def tiny(tiny_llama_dir):
-    model = ServedModel.objects.create(id=MODEL, source=str(tiny_llama_dir), context_length=64)
-    Price.objects.create(
-        model=model,
-        input_per_mtok=Decimal("0.60"),
-        cached_input_per_mtok=Decimal("0.10"),
-        output_per_mtok=Decimal("3.00"),
-    )
+    model = priced_model(MODEL, str(tiny_llama_dir), 64)
     drain(model_queue(MODEL))  # messages an earlier test left
     yield model
     drain(model_queue(MODEL))

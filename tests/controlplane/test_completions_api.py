@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import json
 from datetime import timedelta
-from decimal import Decimal
 
 import pytest
 from django.utils import timezone
 
 from controlplane.accounts.models import ApiKey
 from controlplane.billing.models import UsageRecord
-from controlplane.catalog.models import Price, ServedModel
 from controlplane.events.models import Event
 from controlplane.jobs.models import Job
 from tests.controlplane.openai_spec import validate
@@ -25,18 +23,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 CHAT = "/v1/chat/completions"
 TEXT = "/v1/completions"
-
-
-@pytest.fixture
-def tiny(tiny_llama_dir):
-    model = ServedModel.objects.create(id="tiny", source=str(tiny_llama_dir), context_length=64)
-    Price.objects.create(
-        model=model,
-        input_per_mtok=Decimal("0.60"),
-        cached_input_per_mtok=Decimal("0.10"),
-        output_per_mtok=Decimal("3.00"),
-    )
-    return model
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import threading
 from datetime import timedelta
-from decimal import Decimal
 
 import openai
 import pytest
@@ -19,7 +18,6 @@ from django.db import connections
 from django.test import Client
 from django.utils import timezone
 
-from controlplane.catalog.models import Price, ServedModel
 from controlplane.gateway.idempotency import request_fingerprint
 from controlplane.gateway.models import IdempotencyKey
 from controlplane.jobs.models import Job
@@ -29,18 +27,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 CHAT = "/v1/chat/completions"
 TEXT = "/v1/completions"
-
-
-@pytest.fixture
-def tiny(tiny_llama_dir):
-    model = ServedModel.objects.create(id="tiny", source=str(tiny_llama_dir), context_length=64)
-    Price.objects.create(
-        model=model,
-        input_per_mtok=Decimal("0.60"),
-        cached_input_per_mtok=Decimal("0.10"),
-        output_per_mtok=Decimal("3.00"),
-    )
-    return model
 
 
 def send(client: Client, path: str, body, key: str, idempotency_key: str | None = None):

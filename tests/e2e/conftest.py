@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-from decimal import Decimal
 
 import pytest
 from django.conf import settings
 
 from controlplane.accounts.models import ApiKey, Org
-from controlplane.catalog.models import Price, ServedModel
+from tests.controlplane.conftest import priced_model
 from tests.e2e.stack import ProductionStack
 
 
@@ -25,16 +24,7 @@ test_database_url.__test__ = False  # a helper, not a test
 def tiny_model(tiny_llama_dir):
     """A catalog model served from tiny random weights, under an id of this test run's own (the
     node registry in Redis is shared by every run on the machine)."""
-    model = ServedModel.objects.create(
-        id=f"tiny-{os.getpid()}", source=str(tiny_llama_dir), context_length=256
-    )
-    Price.objects.create(
-        model=model,
-        input_per_mtok=Decimal("0.60"),
-        cached_input_per_mtok=Decimal("0.10"),
-        output_per_mtok=Decimal("3.00"),
-    )
-    return model
+    return priced_model(f"tiny-{os.getpid()}", str(tiny_llama_dir), 256)
 
 
 @pytest.fixture

@@ -38,11 +38,6 @@ new MutationObserver(() => {
            {childList: true, subtree: true, attributes: true});
 """
 
-pytestmark = pytest.mark.skipif(
-    not CHROMIUM.exists(),
-    reason="Debian's chromium is not installed at /usr/bin/chromium (.ci/run installs it)",
-)
-
 
 @pytest.fixture
 def server(tmp_path, tiny_llama_dir):
@@ -72,6 +67,10 @@ def page(browser_log):
     """A fresh headless Chromium page, logging into `browser_log`."""
     from playwright.sync_api import sync_playwright
 
+    assert CHROMIUM.exists(), (
+        "Debian's chromium is not at /usr/bin/chromium: `apt-get install -y chromium` "
+        "(.ci/run does it)"
+    )
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
             executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS

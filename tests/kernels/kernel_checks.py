@@ -33,3 +33,25 @@ def assert_close_to_float64(
 def poisoned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A buffer of NaN: an element a kernel forgets to write fails every comparison."""
     return torch.full(shape, float("nan"), dtype=dtype)
+
+
+# Attention (decode and extend), (atol, rtol) against float64 on the same low-precision inputs, so
+# the only errors are float32 accumulation (~1e-6 here) and the final rounding of the output to
+# its dtype:
+# - float32: no output rounding beyond float32's own; 2e-5 leaves ~20x margin over what we see.
+# - bfloat16: 8 significant bits; the interpreter truncates float32 -> bfloat16 instead of
+#   rounding (up to 1 ulp, 2^-7 relative), hence rtol 1e-2; atol for outputs near zero.
+# - float16: 11 significant bits, correctly rounded: half an ulp is 2^-11 relative.
+ATTENTION_TOLERANCE = {
+    torch.float32: (2e-5, 2e-5),
+    torch.bfloat16: (1e-3, 1e-2),
+    torch.float16: (1e-4, 1e-3),
+}
+
+
+def check_attention(actual, expected, dtype, shape_id: str) -> None:
+    """An attention output against its float64 expectation at ATTENTION_TOLERANCE."""
+    atol, rtol = ATTENTION_TOLERANCE[dtype]
+    torch.testing.assert_close(
+        actual.double(), expected, atol=atol, rtol=rtol, msg=lambda m: f"{shape_id}: {m}"
+    )

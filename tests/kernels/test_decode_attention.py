@@ -14,18 +14,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kernels import decode_attention
 from kernels.decode_attention import decode_attention_torch, decode_attention_triton
+from tests.kernels.kernel_checks import check_attention
 
-# (atol, rtol) against float64 on the same low-precision inputs, so the only errors are float32
-# accumulation (~1e-6 here) and the final rounding of the output to its dtype:
-# - float32: no output rounding beyond float32's own; 2e-5 leaves ~20x margin over what we see.
-# - bfloat16: 8 significant bits; the interpreter truncates float32 -> bfloat16 instead of
-#   rounding (up to 1 ulp, 2^-7 relative), hence rtol 1e-2; atol for outputs near zero.
-# - float16: 11 significant bits, correctly rounded: half an ulp is 2^-11 relative.
-TOL = {
-    torch.float32: (2e-5, 2e-5),
-    torch.bfloat16: (1e-3, 1e-2),
-    torch.float16: (1e-4, 1e-3),
-}
 # Written into cache slots outside every context: a kernel that attends to them is far off.
 POISON = 1e3
 
@@ -86,13 +76,6 @@ def expected_float64(query, keys, values, scale):
     return torch.stack(rows)
 
 
-def check(actual, expected, dtype, shape_id):
-    atol, rtol = TOL[dtype]
-    torch.testing.assert_close(
-        actual.double(), expected, atol=atol, rtol=rtol, msg=lambda m: f"{shape_id}: {m}"
-    )
-
-
 def run_triton_with_poisoned_out(query, cache_args, scale):
     out = torch.full_like(query, float("nan"))  # any element the kernel does not write fails
     result = decode_attention_triton(query, *cache_args, scale, out=out)
@@ -110,7 +93,9 @@ def test_triton_matches_float64(num_heads, num_kv_heads, head_dim, block_size, c
     scale = head_dim**-0.5
     out = run_triton_with_poisoned_out(query, cache_args, scale)
     assert out.dtype == dtype
-    check(out, expected_float64(query, keys, values, scale), dtype, shape_id)  # TOL[dtype]
+    check_attention(
+        out, expected_float64(query, keys, values, scale), dtype, shape_id
+    )  # ATTENTION_TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -125,7 +110,9 @@ def test_reference_matches_float64(
     scale = head_dim**-0.5
     out = decode_attention_torch(query, *cache_args, scale)
     assert out.dtype == dtype
-    check(out, expected_float64(query, keys, values, scale), dtype, shape_id)  # TOL[dtype]
+    check_attention(
+        out, expected_float64(query, keys, values, scale), dtype, shape_id
+    )  # ATTENTION_TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize(
@@ -150,7 +137,9 @@ def test_triton_with_one_split_per_sequence(
     )
     scale = head_dim**-0.5
     out = run_triton_with_poisoned_out(query, cache_args, scale)
-    check(out, expected_float64(query, keys, values, scale), torch.float32, shape_id)  # 2e-5
+    check_attention(
+        out, expected_float64(query, keys, values, scale), torch.float32, shape_id
+    )  # 2e-5
 
 
 def test_triton_in_float16_and_without_an_out_buffer():
@@ -159,8 +148,10 @@ def test_triton_in_float16_and_without_an_out_buffer():
     out = decode_attention_triton(query, *cache_args, scale)
     assert out.dtype == torch.float16 and out.shape == query.shape
     expected = expected_float64(query, keys, values, scale)
-    check(out, expected, torch.float16, "Hq=12 Hk=4 D=72 page=16 fp16")  # (1e-4, 1e-3)
-    check(decode_attention_torch(query, *cache_args, scale), expected, torch.float16, "reference")
+    check_attention(out, expected, torch.float16, "Hq=12 Hk=4 D=72 page=16 fp16")  # (1e-4, 1e-3)
+    check_attention(
+        decode_attention_torch(query, *cache_args, scale), expected, torch.float16, "reference"
+    )
 
 
 def test_split_plan_fills_the_gpu_within_the_context():

@@ -13,18 +13,8 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kernels.extend_attention import extend_attention_torch, extend_attention_triton
+from tests.kernels.kernel_checks import check_attention
 
-# (atol, rtol) against float64 on the same low-precision inputs, so the only errors are float32
-# accumulation (~1e-6 here) and the final rounding of the output to its dtype:
-# - float32: no output rounding beyond float32's own; 2e-5 leaves ~20x margin over what we see.
-# - bfloat16: 8 significant bits; the interpreter truncates float32 -> bfloat16 instead of
-#   rounding (up to 1 ulp, 2^-7 relative), hence rtol 1e-2; atol for outputs near zero.
-# - float16: 11 significant bits, correctly rounded: half an ulp is 2^-11 relative.
-TOL = {
-    torch.float32: (2e-5, 2e-5),
-    torch.bfloat16: (1e-3, 1e-2),
-    torch.float16: (1e-4, 1e-3),
-}
 # Written into every cache slot that holds no prefix token, including the slots of this step's
 # new tokens: a kernel that reads new tokens back from the cache is far off.
 POISON = 1e3
@@ -96,13 +86,6 @@ def expected_float64(query, keys, values, sequences, scale):
     return torch.cat(rows)
 
 
-def check(actual, expected, dtype, shape_id):
-    atol, rtol = TOL[dtype]
-    torch.testing.assert_close(
-        actual.double(), expected, atol=atol, rtol=rtol, msg=lambda m: f"{shape_id}: {m}"
-    )
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,sequences", CASES)
 def test_triton_matches_float64(num_heads, num_kv_heads, head_dim, block_size, sequences, dtype):
@@ -114,7 +97,9 @@ def test_triton_matches_float64(num_heads, num_kv_heads, head_dim, block_size, s
     scale = head_dim**-0.5
     out = torch.full_like(query, float("nan"))  # any element the kernel does not write fails
     assert extend_attention_triton(*kernel_args, scale, out=out) is out
-    check(out, expected_float64(query, keys, values, sequences, scale), dtype, shape_id)  # TOL
+    check_attention(
+        out, expected_float64(query, keys, values, sequences, scale), dtype, shape_id
+    )  # ATTENTION_TOLERANCE
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -128,7 +113,9 @@ def test_reference_matches_float64(num_heads, num_kv_heads, head_dim, block_size
     scale = head_dim**-0.5
     out = extend_attention_torch(*kernel_args, scale)
     assert out.dtype == dtype
-    check(out, expected_float64(query, keys, values, sequences, scale), dtype, shape_id)  # TOL
+    check_attention(
+        out, expected_float64(query, keys, values, sequences, scale), dtype, shape_id
+    )  # ATTENTION_TOLERANCE
 
 
 def test_triton_in_float16_and_without_an_out_buffer():
@@ -139,5 +126,9 @@ def test_triton_in_float16_and_without_an_out_buffer():
     out = extend_attention_triton(*kernel_args, scale)
     assert out.dtype == torch.float16 and out.shape == query.shape
     expected = expected_float64(query, keys, values, sequences, scale)
-    check(out, expected, torch.float16, f"Hq=9 Hk=3 D=96 page=32 {sequences} fp16")  # 1e-4/1e-3
-    check(extend_attention_torch(*kernel_args, scale), expected, torch.float16, "reference")
+    check_attention(
+        out, expected, torch.float16, f"Hq=9 Hk=3 D=96 page=32 {sequences} fp16"
+    )  # 1e-4/1e-3
+    check_attention(
+        extend_attention_torch(*kernel_args, scale), expected, torch.float16, "reference"
+    )
