@@ -21,6 +21,7 @@ from django.conf import settings
 from controlplane.catalog.models import ServedModel
 from controlplane.catalog.registry import use_memory_heartbeat
 from controlplane.events.push import bind_loop
+from controlplane.jobs.redelivery import redispatch_open
 from inference.engine import EngineConfig, LLMEngine
 from inference.node.heartbeat import MemoryHeartbeat
 from inference.node.node import DeltaPublisher, Node
@@ -81,6 +82,10 @@ class EmbeddedHearth:
         try:
             # Engines load before the port opens: /healthz answering means nodes are serving.
             await asyncio.to_thread(self._start_nodes, loop)
+            # The in-process broker kept nothing from the last run: its open jobs go out again.
+            redispatched = await asyncio.to_thread(redispatch_open)
+            if redispatched:
+                print(f"Resumed {redispatched} job(s) left open by the last run", flush=True)
             config = uvicorn.Config(
                 application, host=self.host, port=self.port, lifespan="off", log_level="warning"
             )

@@ -229,6 +229,9 @@ JOB_DEADLINE_S = env_int("HEARTH_JOB_DEADLINE_S", 24 * 3600)
 # How many times a job may start on a node before it is failed instead of tried again (a request
 # that kills its node every time must not loop).
 JOB_MAX_ATTEMPTS = env_int("HEARTH_JOB_MAX_ATTEMPTS", 3)
+# How long a job must have been in the broker before `sweepjobs` may find it lost with the broker
+# (controlplane/jobs/redelivery.py): longer than admission takes from its row to its enqueue.
+JOB_REDELIVERY_GRACE_S = env_float("HEARTH_JOB_REDELIVERY_GRACE_S", 30.0)
 # Files (controlplane/jobs/files.py): the largest upload, in bytes (a larger one is a 400), and
 # the most requests one batch input file may hold.
 FILES_MAX_BYTES = env_int("HEARTH_FILES_MAX_BYTES", 50 * 1024 * 1024)

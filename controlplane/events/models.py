@@ -23,6 +23,22 @@ def new_event_id() -> str:
 EMIT_LOCK_NAMESPACE = 0x4576
 
 
+def _lock_org_events(org_pk: int) -> bool:
+    """Take the org's event lock (PostgreSQL) and say whether it has an enabled webhook
+    endpoint, in one round trip."""
+    endpoints = WebhookEndpoint._meta.db_table
+    has_endpoint = f"EXISTS (SELECT 1 FROM {endpoints} WHERE org_id = %s AND enabled)"
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(
+                f"SELECT pg_advisory_xact_lock(%s, %s), {has_endpoint}",
+                [EMIT_LOCK_NAMESPACE, org_pk, org_pk],
+            )
+            return bool(cursor.fetchone()[1])
+        cursor.execute(f"SELECT {has_endpoint}", [org_pk])
+        return bool(cursor.fetchone()[0])
+
+
 class EventManager(models.Manager["Event"]):
     def emit(self, org, type: str, data: dict[str, Any]) -> Event:
         """Write the event, and push it to the org's live listeners once the row is committed
@@ -34,18 +50,16 @@ class EventManager(models.Manager["Event"]):
         stream's cursor) would never see 10. Emits are the last writes of their transactions, so
         the lock serialises little more than the commits. SQLite has one writer at a time."""
         with transaction.atomic(savepoint=False):
-            if connection.vendor == "postgresql":
-                with connection.cursor() as cursor:
-                    cursor.execute(
-                        "SELECT pg_advisory_xact_lock(%s, %s)", [EMIT_LOCK_NAMESPACE, org.pk]
-                    )
-            event = self.create(org=org, type=type, data=data)
+            webhooks = _lock_org_events(org.pk)
+            event = self.create(org=org, type=type, data=data, fan_out_pending=webhooks)
         message, sequence = event.as_message(), event.sequence
         transaction.on_commit(lambda: push_to_org(org.pk, message, sequence))
-        # Webhooks: the worker finds the org's endpoints; a broker outage must not fail the caller.
-        from controlplane.events.tasks import fan_out_event  # the actors import this module
+        if webhooks:
+            # The worker creates the deliveries; a broker outage must not fail the caller (the
+            # sweep fans out what stays pending: controlplane/events/redelivery.py).
+            from controlplane.events.tasks import fan_out_event  # the actors import this module
 
-        transaction.on_commit(lambda: fan_out_event.send(sequence), robust=True)
+            transaction.on_commit(lambda: fan_out_event.send(sequence), robust=True)
         return event
 
 
@@ -58,11 +72,20 @@ class Event(models.Model):
     type = models.CharField(max_length=64)
     data = models.JSONField()
     created = models.DateTimeField(auto_now_add=True)
+    # The org had a webhook endpoint when it was written, and its deliveries are not created yet.
+    fan_out_pending = models.BooleanField(default=False)
 
     objects = EventManager()
 
     class Meta:
-        indexes = [models.Index(fields=["org", "sequence"], name="event_org_sequence")]
+        indexes = [
+            models.Index(fields=["org", "sequence"], name="event_org_sequence"),
+            models.Index(
+                fields=["created"],
+                name="event_fan_out_pending",
+                condition=models.Q(fan_out_pending=True),
+            ),
+        ]
 
     def as_message(self) -> dict[str, Any]:
         return {

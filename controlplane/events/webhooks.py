@@ -242,7 +242,10 @@ class WebhookDeliveryManager(models.Manager["WebhookDelivery"]):
         event = Event.objects.filter(pk=event_pk).first()
         if event is None:
             return []
-        endpoints = WebhookEndpoint.objects.filter(org_id=event.org_id, enabled=True)
+        # An endpoint gets the events written after it was created, not the org's history.
+        endpoints = WebhookEndpoint.objects.filter(
+            org_id=event.org_id, enabled=True, created__lte=event.created
+        )
         pending = []
         for endpoint in endpoints:
             if not endpoint.wants(event.type):
@@ -255,6 +258,8 @@ class WebhookDeliveryManager(models.Manager["WebhookDelivery"]):
             )
             if delivery.status == WebhookDelivery.PENDING:
                 pending.append(delivery.pk)
+        if event.fan_out_pending:
+            Event.objects.filter(pk=event.pk).update(fan_out_pending=False)
         return pending
 
     def claim(self, delivery_id: str) -> WebhookDelivery | None:
@@ -311,7 +316,15 @@ class WebhookDelivery(models.Model):
                 fields=["endpoint", "event", "attempt"], name="webhook_delivery_once_per_attempt"
             )
         ]
-        indexes = [models.Index(fields=["endpoint", "-created"], name="webhook_delivery_endpoint")]
+        indexes = [
+            models.Index(fields=["endpoint", "-created"], name="webhook_delivery_endpoint"),
+            # The sweep's overdue attempts (controlplane/events/redelivery.py).
+            models.Index(
+                fields=["scheduled_at"],
+                name="webhook_delivery_open",
+                condition=models.Q(status__in=["pending", "sending"]),
+            ),
+        ]
 
     def send(self) -> WebhookDelivery | None:
         """Send this claimed attempt, record the outcome, and return the next attempt when one

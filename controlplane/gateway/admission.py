@@ -28,6 +28,7 @@ from controlplane.gateway.routing import Route, choose_route
 from controlplane.gateway.tokenization import prompt_token_ids, tokenizer_for
 from controlplane.gateway.validation import CompletionRequest, validate_completion_request
 from controlplane.jobs.models import Job
+from inference.node.keyed_messages import enqueue_keyed
 from inference.node.protocol import GENERATE_ACTOR
 
 logger = logging.getLogger(__name__)
@@ -77,14 +78,18 @@ def _check_context(request: CompletionRequest, model: ServedModel, prompt_len: i
     return request.max_tokens or room
 
 
-def _enqueue(queue: str, body: dict) -> None:
+def dispatch(job: Job, queue: str, reply_channel: str | None, deadline: float) -> None:
+    """Send the job's generation message to `queue`, under the job's message key."""
     broker = dramatiq.get_broker()
     broker.declare_queue(queue)  # the stub broker refuses undeclared queues; Redis's is a no-op
-    broker.enqueue(
-        dramatiq.Message(
-            queue_name=queue, actor_name=GENERATE_ACTOR, args=(body,), kwargs={}, options={}
-        )
+    message = dramatiq.Message(
+        queue_name=queue,
+        actor_name=GENERATE_ACTOR,
+        args=(job.generation_message(reply_channel, deadline),),
+        kwargs={},
+        options={},
     )
+    enqueue_keyed(broker, message, job.message_key())
 
 
 def admit(
@@ -135,6 +140,7 @@ def _admit(authorization, body, endpoint, session_affinity, reply_channel) -> Ad
         mode=Job.ASYNC if request.queue else Job.SYNC,
         deadline=deadline,
         session_affinity=session_affinity or "",
+        queue=route.queue,
     )
     enqueue_job(job, route, None if request.queue else reply_channel, deadline)
     return Admission(
@@ -196,8 +202,11 @@ def submit_prepared(
 def enqueue_job(job: Job, route: Route, reply_channel: str | None, deadline: float) -> None:
     """Send the job's generation message to its route; a broker that refuses it fails the job
     and answers 503."""
+    if job.queue != route.queue:  # a batch's jobs are written before their routes are chosen
+        job.queue = route.queue
+        Job.objects.filter(pk=job.pk).update(queue=route.queue)
     try:
-        _enqueue(route.queue, job.generation_message(reply_channel, deadline))
+        dispatch(job, route.queue, reply_channel, deadline)
     except Exception as error:
         logger.exception("enqueue of %s failed", job.id)
         job.fail(f"the broker refused the request: {error}")

@@ -6,6 +6,10 @@ queued request (`queue: true`) answers 202 with its job at once. A synchronous o
 node's deltas: as SSE chunks when it streams, or gathered into one response when it does not.
 The node's `done` message carries the same usage the worker bills (`record_completion`), so the
 response and its usage row agree.
+
+A client that hangs up before its answer is complete (Django cancels the view, or the stream's
+generator, on `http.disconnect`) cancels its job: a queued one never runs, a running one is
+stopped on its node and billed for what it generated, as `POST /v1/jobs/{id}/cancel` does.
 """
 
 from __future__ import annotations
@@ -70,6 +74,9 @@ async def _complete(request: HttpRequest, endpoint: str) -> HttpResponse:
             done = await _receive(layer, reply_channel, deadline, admission.job)
     except ApiError as error:
         return _with_headers(error.response(), admission, admission.route.node, None)
+    except asyncio.CancelledError:
+        _abandon(admission.job)
+        raise
     job = admission.job
     body = completion_response(
         endpoint,
@@ -117,6 +124,20 @@ async def _receive(layer, channel: str, deadline: float, job: Job) -> dict:
         return message
 
 
+def _abandon(job: Job) -> None:
+    """The client hung up: cancel its job, without waiting (the view is being cancelled)."""
+    asyncio.get_running_loop().run_in_executor(None, _cancel_abandoned, job.pk)
+
+
+def _cancel_abandoned(job_pk: str) -> None:
+    try:
+        job = Job.objects.select_related("org").filter(pk=job_pk).first()
+        if job is not None and job.status not in Job.TERMINAL:
+            job.cancel()
+    finally:
+        close_old_connections()
+
+
 def _settled_message(job_pk: str) -> dict | None:
     """A `done` or `error` message rebuilt from the job's row, or None while it is unsettled."""
     try:
@@ -154,6 +175,20 @@ def _stream(layer, channel: str, deadline: float, admission: Admission, first: d
         return _sse(body)
 
     async def events() -> AsyncIterator[bytes]:
+        answered = False  # the job settled, or the client was told why it will not get it here
+        try:
+            async for part in relay():
+                yield part
+            answered = True
+        except ApiError as error:
+            answered = True
+            yield _sse({"error": {"message": error.message, "code": error.code}})
+        finally:
+            # Cancelled while waiting for the node, or closed while sending: the client is gone.
+            if not answered:
+                _abandon(job)
+
+    async def relay() -> AsyncIterator[bytes]:
         message = first
         sent = []
         if job.endpoint == Job.CHAT:
@@ -162,11 +197,7 @@ def _stream(layer, channel: str, deadline: float, admission: Admission, first: d
             if message["text"]:
                 sent.append(message["text"])
                 yield chunk(text=message["text"])
-            try:
-                message = await _receive(layer, channel, deadline, job)
-            except ApiError as error:
-                yield _sse({"error": {"message": error.message, "code": error.code}})
-                return
+            message = await _receive(layer, channel, deadline, job)
         # The full text beyond the deltas relayed so far: non-empty only when the last deltas
         # were lost and the answer came from `done` or the job's row. (A lost delta in the middle
         # cannot be repaired in a stream already sent; the job keeps the full text.)

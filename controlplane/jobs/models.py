@@ -171,6 +171,11 @@ class Job(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
     deadline_at = models.DateTimeField(null=True, blank=True)
     cancel_requested_at = models.DateTimeField(null=True, blank=True)
+    # Where its generation message was sent, the how-many-th time, and when: the broker holds it
+    # under `message_key()` until a node answers it (controlplane/jobs/redelivery.py).
+    queue = models.CharField(max_length=300, blank=True)
+    dispatches = models.PositiveIntegerField(default=1)
+    dispatched_at = models.DateTimeField(default=timezone.now)
     # A batch's job: its batch, and the `custom_id` of the input line it answers.
     batch = models.ForeignKey(
         "jobs.Batch", on_delete=models.CASCADE, null=True, blank=True, related_name="jobs"
@@ -285,6 +290,10 @@ class Job(models.Model):
         if self.batch_id is not None and self.status in Job.TERMINAL:
             Batch.objects.job_settled(self)
         return event
+
+    def message_key(self) -> str:
+        """Its current generation message's key in the broker (inference.node.keyed_messages)."""
+        return f"{self.request_id}.{self.dispatches}"
 
     def generation_message(
         self, reply_channel: str | None = None, deadline: float | None = None

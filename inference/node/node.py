@@ -18,12 +18,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import dramatiq
+import redis
 from dramatiq.broker import Broker, Consumer, MessageProxy
+from dramatiq.errors import BrokerConnectionError
 
 from inference.engine.llm_engine import LLMEngine
 from inference.engine.outputs import RequestOutput, Timings
 from inference.engine.sampling_params import SamplingParams
 from inference.errors import InvalidRequestError, RequestExpiredError
+from inference.node.keyed_messages import RECORD_SUFFIX, enqueue_keyed, message_key
 from inference.node.protocol import (
     ABORT_ACTOR,
     CONTROLPLANE_QUEUE,
@@ -37,6 +40,9 @@ from inference.node.protocol import (
 )
 
 logger = logging.getLogger(__name__)
+BROKER_RETRY_S = 0.5
+# What a broker that went away raises: Dramatiq's consumers wrap redis-py's error, enqueues do not.
+BROKER_DOWN = (BrokerConnectionError, redis.ConnectionError, redis.TimeoutError)
 
 
 @dataclass
@@ -142,6 +148,8 @@ class Node:
         self.role = role
         self.heartbeat_interval_s = heartbeat_interval_s
         self.inflight: dict[str, _InFlight] = {}
+        self.unrecorded: list[tuple[dict[str, Any], _InFlight]] = []
+        self.recorded_late = 0
         # The node's own queue first: affinity traffic must not wait behind the shared queue.
         queues = [node_queue(model, node_id), model_queue(model)]
         for name in [*queues, CONTROLPLANE_QUEUE]:
@@ -182,6 +190,11 @@ class Node:
 
     def _admit(self, consumer: Consumer, message: MessageProxy) -> None:
         body = message.args[0] if message.args else None
+        if isinstance(body, dict) and body.get("request_id") in self.inflight:
+            # The sweep dispatched again a job whose messages the broker lost while this node ran
+            # it: the run under way will record it.
+            consumer.ack(message)
+            return
         try:
             request = GenerationRequest.from_message(body)
             if request.deadline is not None and request.deadline <= time.time():
@@ -230,7 +243,7 @@ class Node:
             error=str(error),
             error_code="expired" if isinstance(error, RequestExpiredError) else None,
         )
-        self._record(payload)
+        self._record(payload, message)
         if request.reply_channel and self.publisher:
             self.publisher.send(
                 request.reply_channel,
@@ -278,23 +291,43 @@ class Node:
         # record is a broker round trip (the ack, after it, still waits for the record).
         if channel and self.publisher:
             self.publisher.send(channel, {"type": "done", **payload})
-        self._record(payload)
-        flight.consumer.ack(flight.message)
         del self.inflight[output.request_id]
+        try:
+            self._record(payload, flight.message)
+        except BROKER_DOWN:
+            # Kept, with its message unacked, until the broker is back (send_unrecorded).
+            self.unrecorded.append((payload, flight))
+            return
+        flight.consumer.ack(flight.message)
 
-    def _record(self, payload: dict[str, Any]) -> None:
-        self._enqueue(RECORD_COMPLETION_ACTOR, payload)
+    def send_unrecorded(self) -> None:
+        """Record the results finished while the broker was away, then ack their messages (an
+        ack of a message the broker no longer holds is a no-op)."""
+        while self.unrecorded:
+            payload, flight = self.unrecorded[0]
+            self._record(payload, flight.message)
+            self.unrecorded.pop(0)
+            self.recorded_late += 1
+            flight.consumer.ack(flight.message)
 
-    def _enqueue(self, actor_name: str, payload: dict[str, Any]) -> None:
-        self.broker.enqueue(
-            dramatiq.Message(
-                queue_name=CONTROLPLANE_QUEUE,
-                actor_name=actor_name,
-                args=(payload,),
-                kwargs={},
-                options={},
-            )
+    def _record(self, payload: dict[str, Any], message: MessageProxy) -> None:
+        """The result, keyed after the message it answers (keyed_messages), so the sweep can
+        tell a result still on its way from a job lost with the broker."""
+        key = message_key(message)
+        self._enqueue(RECORD_COMPLETION_ACTOR, payload, key and key + RECORD_SUFFIX)
+
+    def _enqueue(self, actor_name: str, payload: dict[str, Any], key: str | None = None) -> None:
+        message = dramatiq.Message(
+            queue_name=CONTROLPLANE_QUEUE,
+            actor_name=actor_name,
+            args=(payload,),
+            kwargs={},
+            options={},
         )
+        if key:
+            enqueue_keyed(self.broker, message, key)
+        else:
+            self.broker.enqueue(message)
 
     def read_control(self, interval_s: float = 0.1) -> None:
         """Apply the control queue's aborts, at most every `interval_s`: an abort of a request
@@ -340,12 +373,27 @@ class Node:
         """Serve until `stop` is set; unfinished requests are aborted and left unacked, so the
         broker redelivers them to another node."""
         self.beat(force=True)
+        broker_down = False
         while not stop.is_set():
-            self.pull()
-            self.read_control()
-            if self.engine.has_unfinished_requests():
-                self.step()
-            self.beat()
+            try:
+                self.send_unrecorded()
+                self.pull()
+                self.read_control()
+                if self.engine.has_unfinished_requests():
+                    self.step()
+                self.beat()
+                if broker_down:
+                    logger.warning("broker back; %d result(s) recorded late", self.recorded_late)
+                    broker_down = False
+            except BROKER_DOWN as error:
+                # The engine keeps its requests; pulling and reporting resume when it is back.
+                if not broker_down:
+                    logger.warning("broker unavailable (%s); retrying", error)
+                    broker_down, self.recorded_late = True, 0
+                if self.engine.has_unfinished_requests():
+                    self.step()
+                else:
+                    stop.wait(BROKER_RETRY_S)
         for request_id in list(self.inflight):
             self.engine.abort(request_id)
         for consumer in [*self.consumers, self.control]:

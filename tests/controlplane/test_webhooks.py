@@ -6,10 +6,8 @@ from __future__ import annotations
 import base64
 import json
 import socket
-import threading
 import time
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import dramatiq
 import pytest
@@ -19,50 +17,9 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 from controlplane.events.models import Event
 from controlplane.events.webhooks import WebhookDelivery, WebhookEndpoint
 from inference.node.protocol import CONTROLPLANE_QUEUE
+from tests.webhook_receiver import Receiver
 
 PUBLIC_ADDRESS = "93.184.215.14"
-
-
-class Receiver:
-    """An HTTP server on 127.0.0.1 that records each POST and answers as `script` says: one
-    `(delay_s, status)` per request, in order, then 200 at once."""
-
-    def __init__(self) -> None:
-        self.requests: list[tuple[dict[str, str], bytes]] = []
-        self.script: list[tuple[float, int]] = []
-        self.lock = threading.Lock()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers.get("content-length", 0)))
-                with receiver.lock:
-                    receiver.requests.append(
-                        ({k.lower(): v for k, v in self.headers.items()}, body)
-                    )
-                    delay_s, status = receiver.script.pop(0) if receiver.script else (0.0, 200)
-                time.sleep(delay_s)
-                try:
-                    self.send_response(status)
-                    self.end_headers()
-                    self.wfile.write(b"thanks")
-                except OSError:
-                    pass  # the sender timed out and hung up
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}/hooks?source=hearth"
-        self.thread = threading.Thread(
-            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
-        )
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from django.conf import settings
 
 from controlplane.accounts.models import ApiKey, Org
 from tests.controlplane.conftest import priced_model
-from tests.e2e.stack import ProductionStack
+from tests.e2e.stack import ProductionStack, RedisServer
 
 
 def test_database_url() -> str:
@@ -34,15 +34,27 @@ def acme_key(transactional_db):
     return key
 
 
+def production_stack(redis_url: str, log_dir) -> ProductionStack:
+    """The stack's processes, not started: on the test database and `redis_url`, with webhooks
+    to loopback allowed and retried within seconds."""
+    stack = ProductionStack(
+        test_database_url(),
+        redis_url,
+        f"{settings.TEST_BROKER_NAMESPACE}-{log_dir.name}",
+        log_dir,
+    )
+    stack.env.update(
+        HEARTH_WEBHOOK_ALLOW_PRIVATE="1",
+        HEARTH_WEBHOOK_RETRY_SCHEDULE_S="0.5,1,1,1,1,1,1",
+        HEARTH_WEBHOOK_TIMEOUT_S="1",
+    )
+    return stack
+
+
 @pytest.fixture
 def stack(transactional_db, tmp_path):
-    """Gateway and worker started; each test starts the nodes it needs."""
-    running = ProductionStack(
-        test_database_url(),
-        settings.DRAMATIQ_BROKER["OPTIONS"]["url"],
-        f"{settings.TEST_BROKER_NAMESPACE}-{tmp_path.name}",
-        tmp_path,
-    )
+    """Gateway and worker started on the shared Redis; each test starts the nodes it needs."""
+    running = production_stack(settings.DRAMATIQ_BROKER["OPTIONS"]["url"], tmp_path)
     running.start_gateway()
     running.start_worker()
     try:
@@ -54,3 +66,25 @@ def stack(transactional_db, tmp_path):
         client = redis.Redis.from_url(settings.DRAMATIQ_BROKER["OPTIONS"]["url"])
         for key in client.scan_iter(match=f"{running.env['HEARTH_BROKER_NAMESPACE']}*"):
             client.delete(key)
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    """A Redis of the test's own, which it may restart (never the shared one)."""
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def stack_on_own_redis(transactional_db, tmp_path, own_redis):
+    """Gateway, worker and sweeper started on `own_redis`; the test starts the nodes."""
+    running = production_stack(own_redis.url, tmp_path)
+    running.start_gateway()
+    running.start_worker()
+    running.start_sweeper()
+    try:
+        yield running
+    finally:
+        running.stop()

@@ -86,6 +86,21 @@ class ProductionStack:
             ],
         )
 
+    def start_sweeper(self, every_s: float = 1.0, grace_s: float = 3.0) -> None:
+        """`manage.py sweepjobs --every`: expiry, and what the broker lost sent again."""
+        self._spawn(
+            "sweeper",
+            [
+                sys.executable,
+                "manage.py",
+                "sweepjobs",
+                "--every",
+                str(every_s),
+                "--grace",
+                str(grace_s),
+            ],
+        )
+
     def start_node(self, model: str, node_id: str, *extra: str, threads: int | None = None) -> None:
         """A node process; `threads` caps its torch/OpenMP threads (default: torch's choice)."""
         env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
@@ -151,6 +166,55 @@ class ProductionStack:
 
     def outputs(self) -> str:
         return "\n".join(f"--- {name}\n{self.output(name)}" for name in self.processes)
+
+
+class RedisServer:
+    """A redis-server of the test's own on a free port, without persistence, as CI runs the
+    shared one: `restart()` loses everything it held, as a crashed Redis does."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.log_dir = log_dir
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.log_dir),
+                "--logfile",
+                str(self.log_dir / "redis.log"),
+            ]
+        )
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError(f"redis-server on port {self.port} did not start")
+
+    def kill(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
 
 
 class EmbeddedServer:

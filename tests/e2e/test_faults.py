@@ -8,6 +8,19 @@ dead node's un-acked messages once its heartbeat is older than HEARTH_BROKER_HEA
 (b) The control plane's worker is SIGKILLed (with its worker process) while it records
 completions; another starts. Messages it held are requeued the same way; a completion it was
 recording rolls back with its connection and is recorded again, once.
+
+(c) Redis, which CI runs without persistence, is killed and restarted while jobs are queued and
+running: every message is gone. The nodes and the worker reconnect; `sweepjobs` finds the open
+jobs whose messages the broker no longer holds and dispatches them again from the database, and
+sends the webhook fan-outs and attempts it lost (controlplane/jobs/redelivery.py,
+controlplane/events/redelivery.py).
+
+(d) A webhook receiver that answers 500, then too slowly, then well: every event arrives, signed,
+under its own `webhook-id`, and succeeds once.
+
+In each, a receiver in the test takes the org's webhooks and verifies them with the
+`standardwebhooks` package: every event of the jobs arrives, and every delivery carries its
+event's id as `webhook-id`.
 """
 
 from __future__ import annotations
@@ -22,8 +35,10 @@ import pytest
 
 from controlplane.billing.models import UsageRecord
 from controlplane.events.models import Event
+from controlplane.events.webhooks import WebhookDelivery
 from controlplane.jobs.models import Job
 from tests.e2e.user_path import wait_for
+from tests.webhook_receiver import Receiver
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -31,25 +46,59 @@ pytestmark = pytest.mark.django_db(transaction=True)
 JOBS = 48
 
 
-def submit_jobs(url: str, key: str, model: str, count: int) -> list[str]:
-    ids = []
-    for index in range(count):
-        body = {
-            "model": model,
-            "messages": [{"role": "user", "content": f"fault test {index}"}],
-            "max_tokens": 200,
-            "temperature": 0,
-            "queue": True,
-        }
-        request = urllib.request.Request(
+@pytest.fixture
+def receiver():
+    receiver = Receiver()
+    yield receiver
+    receiver.close()
+
+
+def post(url: str, key: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status in (201, 202)
+        return json.loads(response.read())
+
+
+def submit_jobs(url: str, key: str, model: str, count: int, max_tokens: int = 200) -> list[str]:
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "queue": True}
+    return [
+        post(
             f"{url}/v1/chat/completions",
-            data=json.dumps(body).encode(),
-            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=30) as response:
-            assert response.status == 202
-            ids.append(json.loads(response.read())["id"])
-    return ids
+            key,
+            {**body, "messages": [{"role": "user", "content": f"fault test {index}"}]},
+        )["id"]
+        for index in range(count)
+    ]
+
+
+def watch_webhooks(url: str, key: str, receiver: Receiver) -> str:
+    """Register the receiver for every event of the key's org; its signing secret."""
+    return post(f"{url}/v1/webhook_endpoints", key, {"url": receiver.url})["secret"]
+
+
+def assert_webhooks_delivered(receiver: Receiver, secret: str, job_ids: list[str]) -> None:
+    """Every event of the jobs reached the receiver, signed, under its own id as `webhook-id`,
+    and each succeeded once in the delivery log."""
+    events = {e.id: e for e in Event.objects.filter(data__id__in=job_ids)}
+    wait_for(
+        lambda: set(events) <= {headers["webhook-id"] for headers, _ in receiver.requests},
+        timeout_s=60,
+        what="every event delivered",
+    )
+    bodies = receiver.verified(secret)
+    for (headers, _), body in zip(receiver.requests, bodies, strict=False):
+        assert headers["webhook-id"] == body["id"] and body["id"] in events
+        assert body["type"] == events[body["id"]].type
+    succeeded = WebhookDelivery.objects.filter(
+        event__id__in=list(events), status=WebhookDelivery.SUCCEEDED
+    )
+    wait_for(lambda: succeeded.count() == len(events), what="one success per event")
+    assert sorted(succeeded.values_list("event__id", flat=True)) == sorted(events)
 
 
 def wait_until_completed(job_ids: list[str]) -> None:
@@ -74,10 +123,11 @@ def assert_settled_once(job_ids: list[str]) -> list[Job]:
     return jobs
 
 
-def test_a_node_killed_mid_generation_loses_nothing(stack, tiny_model, acme_key):
+def test_a_node_killed_mid_generation_loses_nothing(stack, tiny_model, acme_key, receiver):
     stack.env["HEARTH_BROKER_HEARTBEAT_TIMEOUT_MS"] = "3000"
     stack.start_node(tiny_model.id, "node-a", threads=1)
     stack.wait_ready(tiny_model.id, nodes=1, api_key=acme_key)
+    secret = watch_webhooks(stack.url, acme_key, receiver)
     job_ids = submit_jobs(stack.url, acme_key, tiny_model.id, JOBS)
     try:
         wait_for(
@@ -97,11 +147,15 @@ def test_a_node_killed_mid_generation_loses_nothing(stack, tiny_model, acme_key)
     rerun = [job for job in jobs if job.attempts == 2]
     assert rerun and all(job.node == "node-b" for job in rerun)
     assert all(job.attempts in (1, 2) for job in jobs)
+    assert_webhooks_delivered(receiver, secret, job_ids)
 
 
-def test_a_worker_killed_while_it_records_completions_loses_nothing(stack, tiny_model, acme_key):
+def test_a_worker_killed_while_it_records_completions_loses_nothing(
+    stack, tiny_model, acme_key, receiver
+):
     stack.start_node(tiny_model.id, "node-a", threads=1)
     stack.wait_ready(tiny_model.id, nodes=1, api_key=acme_key)
+    secret = watch_webhooks(stack.url, acme_key, receiver)
     job_ids = submit_jobs(stack.url, acme_key, tiny_model.id, JOBS)
     worker = stack.processes["worker"]
     try:
@@ -122,3 +176,52 @@ def test_a_worker_killed_while_it_records_completions_loses_nothing(stack, tiny_
         raise
     assert left, "the worker had recorded everything before it was killed"
     assert_settled_once(job_ids)
+    assert_webhooks_delivered(receiver, secret, job_ids)
+
+
+def test_a_redis_restart_loses_no_job(
+    stack_on_own_redis, own_redis, tiny_model, acme_key, receiver
+):
+    stack = stack_on_own_redis
+    # 8 at a time, so most jobs are still queued when Redis goes.
+    stack.start_node(tiny_model.id, "node-a", "--max-num-seqs", "8", threads=1)
+    stack.wait_ready(tiny_model.id, nodes=1, api_key=acme_key)
+    secret = watch_webhooks(stack.url, acme_key, receiver)
+    job_ids = submit_jobs(stack.url, acme_key, tiny_model.id, JOBS)
+    try:
+        wait_for(
+            lambda: Job.objects.filter(id__in=job_ids, status=Job.COMPLETED).exists(),
+            what="a first job completed",
+        )
+        queued = Job.objects.filter(id__in=job_ids, status=Job.QUEUED).count()
+        own_redis.restart()
+        wait_until_completed(job_ids)
+    except Exception:
+        print(stack.outputs())
+        raise
+    assert queued, "every job had started before Redis restarted"
+    assert_settled_once(job_ids)
+    # The jobs still queued had only their message in Redis: each was dispatched again (a few
+    # more may have started between the count and the restart).
+    assert Job.objects.filter(id__in=job_ids, dispatches__gt=1).count() >= queued - 8
+    assert_webhooks_delivered(receiver, secret, job_ids)
+
+
+def test_a_receiver_that_fails_then_times_out_gets_every_event_once_it_recovers(
+    stack, tiny_model, acme_key, receiver
+):
+    receiver.script = [(0, 500)] * 6 + [(1.5, 200)] * 3  # then 200 at once
+    stack.start_node(tiny_model.id, "node-a", threads=1)
+    stack.wait_ready(tiny_model.id, nodes=1, api_key=acme_key)
+    secret = watch_webhooks(stack.url, acme_key, receiver)
+    job_ids = submit_jobs(stack.url, acme_key, tiny_model.id, 6, max_tokens=8)
+    try:
+        wait_until_completed(job_ids)
+        assert_settled_once(job_ids)
+        assert_webhooks_delivered(receiver, secret, job_ids)
+    except Exception:
+        print(stack.outputs())
+        raise
+    attempts = WebhookDelivery.objects.filter(event__data__id__in=job_ids)
+    assert attempts.filter(response_status_code=500).count() == 6
+    assert attempts.filter(error__startswith="timed out").count() == 3

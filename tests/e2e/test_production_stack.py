@@ -119,3 +119,57 @@ def test_the_openai_sdk_runs_a_batch_and_a_cancel_on_the_production_stack(
     )
     listed = client.get("/jobs", cast_to=object, options={"params": {"limit": 10}})
     assert queued["id"] in [job["id"] for job in listed["data"]]
+
+
+def test_a_client_that_hangs_up_mid_stream_stops_its_generation(stack, tiny_llama_dir, acme_key):
+    """The gateway cancels the job of a stream whose client went away: the node stops it, and
+    it is billed for the tokens generated until then."""
+    import http.client
+    import json
+    import os
+
+    from tests.controlplane.conftest import priced_model
+
+    model = priced_model(f"tiny-long-{os.getpid()}", str(tiny_llama_dir), 1024)
+    stack.start_node(model.id, "node-a", threads=1)
+    stack.wait_ready(model.id, nodes=1, api_key=acme_key)
+    body = {
+        "model": model.id,
+        "messages": [{"role": "user", "content": "write a long story"}],
+        "max_tokens": 900,
+        "temperature": 0,
+        "stream": True,
+    }
+    connection = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=30)
+    connection.request(
+        "POST",
+        "/v1/chat/completions",
+        json.dumps(body),
+        {"Authorization": f"Bearer {acme_key}", "Content-Type": "application/json"},
+    )
+    response = connection.getresponse()
+    assert response.status == 200, response.read()
+    request_id = response.getheader("x-request-id")
+    while b'"content":"' not in response.readline():
+        pass  # up to the first generated text
+    job = Job.objects.get(request_id=request_id)
+    # Its start notice recorded: a job the control plane still sees queued is cancelled as one,
+    # unbilled (docs/controlplane.md).
+    wait_for(lambda: Job.objects.get(pk=job.pk).status == Job.RUNNING, what="running")
+    connection.sock.close()  # hang up mid-stream
+    connection.close()
+
+    try:
+        wait_for(lambda: Job.objects.get(pk=job.pk).status == Job.CANCELLED, what="cancelled")
+    except Exception:
+        print(stack.outputs())
+        raise
+    job.refresh_from_db()
+    assert job.result["finish_reason"] == "abort"
+    record = UsageRecord.objects.get(request_id=request_id)
+    assert 0 < record.completion_tokens < 900
+    assert record.completion_tokens == job.result["usage"]["completion_tokens"]
+    types = list(
+        Event.objects.filter(data__id=job.id).order_by("sequence").values_list("type", flat=True)
+    )
+    assert types == ["job.queued", "job.running", "job.cancelled"]

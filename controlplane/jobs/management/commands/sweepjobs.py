@@ -1,30 +1,62 @@
-"""`manage.py sweepjobs [--every S]`: expire queued jobs past their deadline (every org's).
+"""`manage.py sweepjobs [--every S] [--grace S]`: the jobs nobody else would move on.
 
-Reads of the jobs API expire an org's overdue jobs on their own; this catches the rest, so
-`job.expired` events and webhooks go out even when nobody looks. Run it from cron, or with
-`--every 30` as a long-running process beside the worker.
+- Queued jobs past their deadline are expired (reads of the jobs API expire an org's own; this
+  catches the rest, so `job.expired` events and webhooks go out even when nobody looks).
+- Open jobs the broker lost (a Redis restarted without persistence) are dispatched again
+  (controlplane/jobs/redelivery.py), and webhook fan-outs and attempts it lost are sent again
+  (controlplane/events/redelivery.py).
+
+Run it from cron, or with `--every 10` as a long-running process beside the worker.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
+from django.conf import settings
 from django.core.management.base import BaseCommand
 
+from controlplane.events.redelivery import resend_lost_webhooks
 from controlplane.jobs.models import Job
+from controlplane.jobs.redelivery import redeliver_lost
+
+logger = logging.getLogger(__name__)
 
 
 class Command(BaseCommand):
-    help = "Expire queued jobs whose deadline has passed."
+    help = "Expire queued jobs past their deadline; dispatch again jobs lost with the broker."
 
     def add_arguments(self, parser) -> None:
         parser.add_argument("--every", type=float, default=0, help="repeat every S seconds")
+        parser.add_argument(
+            "--grace",
+            type=float,
+            default=settings.JOB_REDELIVERY_GRACE_S,
+            help="a job must be in the broker this long before it can count as lost",
+        )
 
-    def handle(self, *args, every: float, **options) -> None:
+    def handle(self, *args, every: float, grace: float, **options) -> None:
         while True:
-            expired = Job.objects.expire_overdue()
-            if expired or not every:
-                self.stdout.write(f"expired {expired} job(s)")
+            try:
+                self.sweep(grace, report=not every)
+            except Exception:
+                if not every:
+                    raise
+                # The broker or the database away for a moment: the next round tries again.
+                logger.exception("sweep failed")
             if not every:
                 return
             time.sleep(every)
+
+    def sweep(self, grace: float, report: bool) -> None:
+        expired = Job.objects.expire_overdue()
+        redelivered = redeliver_lost(grace)
+        webhooks = resend_lost_webhooks(grace)
+        if expired or redelivered or webhooks or report:
+            lost = "? (this broker cannot be asked)" if redelivered is None else redelivered
+            self.stdout.write(
+                f"expired {expired} job(s); dispatched again {lost} job(s); "
+                f"resent {webhooks} webhook message(s)"
+            )
+            self.stdout.flush()

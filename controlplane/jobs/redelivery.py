@@ -1,0 +1,89 @@
+"""Jobs lost with the broker, dispatched again from the database.
+
+The database is the record of work; the broker only carries it. Between admission and
+settlement, the broker always holds a job's generation message (until the node that answers it
+acks) or its result (until the worker records it): the node enqueues the result before it acks.
+A Redis that restarts without persistence, or fails over to a replica that lacked the latest
+writes, drops both. `redeliver_lost` finds every open job that has been in the broker longer
+than a grace period and of which the broker holds neither message (keys in
+inference/node/keyed_messages.py), and dispatches it again under a new key, to the route a new
+request would take now (its old node may be gone).
+
+A job whose messages were lost while a node still runs it gets a second run; the node that
+already runs it drops the copy (Node._admit), another node runs it again, and the control plane
+records whichever result comes first, once (`record_completion` is idempotent). A sync request
+whose message was lost gets its answer from the job's row (completions._receive polls it when the
+reply channel stays quiet).
+
+Run by `manage.py sweepjobs`, beside the worker. In embedded mode the in-process broker loses
+everything with its process, so `redispatch_open` sends every open job again at start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+import dramatiq
+from django.db.models import F
+from django.utils import timezone
+
+from controlplane.catalog.registry import live_nodes
+from controlplane.gateway.routing import choose_route
+from controlplane.jobs.models import Job
+from inference.node.keyed_messages import RECORD_SUFFIX, held_keys
+from inference.node.protocol import CONTROLPLANE_QUEUE
+
+logger = logging.getLogger(__name__)
+BATCH = 500
+
+
+def redeliver_lost(grace_s: float) -> int | None:
+    """Dispatch again every open job the broker lost; how many (None: this broker cannot tell)."""
+    broker = dramatiq.get_broker()
+    if held_keys(broker, []) is None:
+        return None
+    cutoff = timezone.now() - timedelta(seconds=grace_s)
+    open_jobs = (
+        Job.objects.filter(status__in=[Job.QUEUED, Job.RUNNING], dispatched_at__lt=cutoff)
+        .select_related("org")
+        .order_by("pk")
+    )
+    redelivered, last = 0, ""
+    while True:
+        jobs = list(open_jobs.filter(pk__gt=last)[:BATCH])
+        if not jobs:
+            return redelivered
+        last = jobs[-1].pk
+        wanted = []
+        for job in jobs:
+            key = job.message_key()
+            wanted += [(job.queue, key), (CONTROLPLANE_QUEUE, key + RECORD_SUFFIX)]
+        held = held_keys(broker, wanted)
+        for index, job in enumerate(jobs):
+            if not (held[2 * index] or held[2 * index + 1]):
+                redelivered += _dispatch_again(job)
+
+
+def redispatch_open() -> int:
+    """Dispatch again every open job: for a broker that kept nothing (embedded start-up)."""
+    jobs = Job.objects.filter(status__in=[Job.QUEUED, Job.RUNNING]).select_related("org")
+    return sum(_dispatch_again(job) for job in jobs.order_by("created"))
+
+
+def _dispatch_again(job: Job) -> int:
+    """One more dispatch of `job` under a new key; 0 when it settled or another sweep took it."""
+    from controlplane.gateway.admission import dispatch
+
+    route = choose_route(job.model, live_nodes(job.model), job.session_affinity or None)
+    now = timezone.now()
+    claimed = Job.objects.filter(
+        pk=job.pk, status__in=[Job.QUEUED, Job.RUNNING], dispatches=job.dispatches
+    ).update(dispatches=F("dispatches") + 1, dispatched_at=now, queue=route.queue)
+    if not claimed:
+        return 0
+    job.dispatches, job.dispatched_at, job.queue = job.dispatches + 1, now, route.queue
+    deadline = job.deadline_at.timestamp() if job.deadline_at else None
+    dispatch(job, route.queue, None, deadline)
+    logger.warning("job %s was lost with the broker; dispatched again to %s", job.id, route.queue)
+    return 1

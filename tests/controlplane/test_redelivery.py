@@ -1,0 +1,185 @@
+"""The sweep that sends again what the broker lost: jobs (controlplane/jobs/redelivery.py) and
+webhook work (controlplane/events/redelivery.py), on the real Redis broker. A loss is made the
+way a Redis restart without persistence makes it: the broker's keys are gone."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import dramatiq
+import pytest
+from django.utils import timezone
+
+from controlplane.events.models import Event
+from controlplane.events.redelivery import resend_lost_webhooks
+from controlplane.events.webhooks import WebhookDelivery, WebhookEndpoint
+from controlplane.gateway.admission import admit
+from controlplane.jobs.models import Job
+from controlplane.jobs.redelivery import _dispatch_again, redeliver_lost, redispatch_open
+from inference.node.keyed_messages import RECORD_SUFFIX, enqueue_keyed, held_keys
+from inference.node.protocol import CONTROLPLANE_QUEUE, RECORD_COMPLETION_ACTOR
+
+# Admission commits, and closes its connection as a request thread does.
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def broker():
+    broker = dramatiq.get_broker()
+    broker.flush_all()
+    yield broker
+    broker.flush_all()
+
+
+def lose_everything(broker) -> None:
+    """What a Redis restarted without persistence leaves of this run's broker: nothing."""
+    for key in broker.client.scan_iter(match=f"{broker.namespace}:*"):
+        broker.client.delete(key)
+
+
+def submit(key: str, model: str, text: str = "review this") -> Job:
+    body = {"model": model, "prompt": text, "max_tokens": 4, "queue": True}
+    return admit(f"Bearer {key}", json.dumps(body).encode(), Job.TEXT, None, None).job
+
+
+def held(broker, job: Job) -> bool:
+    job.refresh_from_db()
+    return held_keys(broker, [(job.queue, job.message_key())])[0]
+
+
+def message_args(broker, queue: str) -> list[dict]:
+    consumer = broker.consume(queue, timeout=200)
+    found = []
+    while (message := next(consumer)) is not None:
+        found.append(message.args[0])
+        consumer.ack(message)
+    consumer.close()
+    return found
+
+
+# Jobs
+
+
+def test_a_job_the_broker_holds_is_left_alone(broker, key_a, tiny):
+    job = submit(key_a, tiny.id)
+    assert held(broker, job) and job.queue == "infer.tiny"
+    assert redeliver_lost(grace_s=0) == 0
+    job.refresh_from_db()
+    assert job.dispatches == 1
+
+
+def test_a_job_lost_with_the_broker_is_dispatched_again_once(broker, key_a, tiny):
+    job = submit(key_a, tiny.id)
+    lose_everything(broker)
+    assert not held(broker, job)
+    assert redeliver_lost(grace_s=60) == 0  # not yet past the grace period
+    assert redeliver_lost(grace_s=0) == 1
+    assert redeliver_lost(grace_s=0) == 0  # its new message is in the broker now
+    job.refresh_from_db()
+    assert (job.dispatches, job.status) == (2, Job.QUEUED)
+    assert held(broker, job) and job.message_key().endswith(".2")
+    [message] = message_args(broker, job.queue)
+    assert message["request_id"] == job.request_id
+    assert message["deadline"] == pytest.approx(job.deadline_at.timestamp())
+    assert message["reply_channel"] is None
+
+
+def test_a_running_job_whose_result_is_on_its_way_is_left_alone(broker, key_a, tiny):
+    """The node acks its message only after enqueueing the result under `<key>.record`."""
+    job = submit(key_a, tiny.id)
+    Job.objects.record_started({"request_id": job.request_id, "node": "node-1"})
+    assert message_args(broker, job.queue)  # taken and acked, as a node does
+    assert not held(broker, job)
+    result = dramatiq.Message(
+        queue_name=CONTROLPLANE_QUEUE,
+        actor_name=RECORD_COMPLETION_ACTOR,
+        args=({"request_id": job.request_id},),
+        kwargs={},
+        options={},
+    )
+    enqueue_keyed(broker, result, job.message_key() + RECORD_SUFFIX)
+    assert redeliver_lost(grace_s=0) == 0
+    lose_everything(broker)  # now the result is lost too
+    assert redeliver_lost(grace_s=0) == 1
+    job.refresh_from_db()
+    assert (job.status, job.dispatches) == (Job.RUNNING, 2)
+
+
+def test_settled_jobs_are_never_sent_again(broker, key_a, tiny):
+    job = submit(key_a, tiny.id)
+    job.cancel()
+    lose_everything(broker)
+    assert redeliver_lost(grace_s=0) == 0
+    assert redispatch_open() == 0
+
+
+def test_two_sweeps_racing_dispatch_a_job_once(broker, key_a, tiny):
+    job = submit(key_a, tiny.id)
+    lose_everything(broker)
+    first, second = Job.objects.get(pk=job.pk), Job.objects.get(pk=job.pk)  # both read it
+    assert _dispatch_again(first) == 1
+    assert _dispatch_again(second) == 0
+    assert Job.objects.get(pk=job.pk).dispatches == 2
+    assert len(message_args(broker, "infer.tiny")) == 1
+
+
+def test_embedded_start_up_sends_every_open_job_again(broker, key_a, tiny):
+    jobs = [submit(key_a, tiny.id, f"job {n}") for n in range(3)]
+    jobs[0].cancel()
+    lose_everything(broker)
+    assert redispatch_open() == 2
+    assert sorted(m["request_id"] for m in message_args(broker, "infer.tiny")) == sorted(
+        j.request_id for j in jobs[1:]
+    )
+
+
+# Webhooks
+
+
+def test_an_org_without_endpoints_sends_no_fan_out(broker, org_a):
+    event = Event.objects.emit(org_a, "job.queued", {"id": "job_1"})
+    assert not event.fan_out_pending
+    assert broker.client.hlen(f"{broker.namespace}:{CONTROLPLANE_QUEUE}.msgs") == 0
+
+
+def test_a_fan_out_lost_with_the_broker_is_done_by_the_sweep(broker, org_a, settings):
+    settings.WEBHOOK_ALLOW_PRIVATE = True
+    endpoint = WebhookEndpoint.objects.register(org_a, "http://127.0.0.1:9/hooks")
+    event = Event.objects.emit(org_a, "job.completed", {"id": "job_1"})
+    assert event.fan_out_pending
+    assert broker.client.hlen(f"{broker.namespace}:{CONTROLPLANE_QUEUE}.msgs") == 1
+    lose_everything(broker)
+
+    assert resend_lost_webhooks(grace_s=60) == 0
+    assert resend_lost_webhooks(grace_s=0) == 1
+    event.refresh_from_db()
+    assert not event.fan_out_pending
+    [delivery] = WebhookDelivery.objects.filter(event=event, endpoint=endpoint)
+    assert delivery.status == WebhookDelivery.PENDING
+    [message] = message_args(broker, CONTROLPLANE_QUEUE)
+    assert message == delivery.pk
+
+
+def test_an_attempt_lost_with_the_broker_is_resent_once_per_grace_period(broker, org_a, settings):
+    settings.WEBHOOK_ALLOW_PRIVATE = True
+    WebhookEndpoint.objects.register(org_a, "http://127.0.0.1:9/hooks")
+    event = Event.objects.emit(org_a, "job.completed", {"id": "job_1"})
+    [delivery_id] = WebhookDelivery.objects.fan_out(event.pk)
+    WebhookDelivery.objects.filter(pk=delivery_id).update(
+        scheduled_at=timezone.now() - timedelta(seconds=30)
+    )
+    assert resend_lost_webhooks(grace_s=10) == 1
+    assert resend_lost_webhooks(grace_s=10) == 0  # due again only a grace period from now
+    assert message_args(broker, CONTROLPLANE_QUEUE) == [event.sequence, delivery_id]  # fan-out too
+
+
+def test_an_endpoint_gets_no_events_from_before_it_existed(broker, org_a, settings):
+    settings.WEBHOOK_ALLOW_PRIVATE = True
+    WebhookEndpoint.objects.register(org_a, "http://127.0.0.1:9/old")
+    event = Event.objects.emit(org_a, "job.completed", {"id": "job_1"})
+    later = WebhookEndpoint.objects.register(org_a, "http://127.0.0.1:9/new")
+    WebhookEndpoint.objects.filter(pk=later.pk).update(created=event.created + timedelta(seconds=1))
+    WebhookDelivery.objects.fan_out(event.pk)
+    assert not WebhookDelivery.objects.filter(endpoint=later).exists()
+    assert WebhookDelivery.objects.filter(event=event).count() == 1
