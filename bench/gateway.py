@@ -87,7 +87,13 @@ def seed(model_id: str, source: Path) -> str:
     return key
 
 
-def start_stack(postgres: str, redis_url: str, max_num_seqs: int, node_threads: int | None):
+def start_stack(
+    postgres: str,
+    redis_url: str,
+    max_num_seqs: int,
+    node_threads: int | None,
+    gateway_workers: int = 1,
+):
     """Production mode on a fresh `hearth_bench` database, serving a tiny random Llama:
     (stack, API key, model id). The node is started; wait for it with `stack.wait_ready`."""
     namespace = f"hearth-bench-{os.getpid()}"
@@ -100,7 +106,7 @@ def start_stack(postgres: str, redis_url: str, max_num_seqs: int, node_threads: 
     model_id = f"tiny-bench-{os.getpid()}"
     key = seed(model_id, build_tiny_model(work / "tiny", "llama"))
     stack = ProductionStack(database_url, redis_url, namespace, work)
-    stack.start_gateway()
+    stack.start_gateway(gateway_workers)
     stack.start_worker()
     stack.start_node(
         model_id, "bench-node", "--max-num-seqs", str(max_num_seqs), threads=node_threads

@@ -118,9 +118,10 @@ def main() -> int:
     parser.add_argument("--settle-timeout", type=float, default=600)
     parser.add_argument("--postgres", default="postgres://postgres@127.0.0.1:5432")
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--gateway-workers", type=int, default=1, help="uvicorn processes")
     args = parser.parse_args()
 
-    stack, key, model_id = start_stack(args.postgres, args.redis, 64, 1)
+    stack, key, model_id = start_stack(args.postgres, args.redis, 64, 1, args.gateway_workers)
     accepted: list[str] = []
     try:
         stack.wait_ready(model_id, nodes=1, api_key=key)
@@ -153,6 +154,7 @@ def main() -> int:
         "at": datetime.now(UTC).isoformat(timespec="seconds"),
         "jobs": submitted,
         "clients": args.clients,
+        "gateway_workers": args.gateway_workers,
         "accepted": len(accepted),
         "submit_per_s": round(len(accepted) / submit_s, 1),
         **figures,

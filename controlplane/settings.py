@@ -178,6 +178,8 @@ BROKER_HEARTBEAT_TIMEOUT_MS = env_int("HEARTH_BROKER_HEARTBEAT_TIMEOUT_MS", 60_0
 # (1,000) means an idle worker, fetching about once a second, requeues a dead one's messages after
 # about a quarter of an hour; at 100,000 it is seconds. It rides along with the fetch's script.
 BROKER_MAINTENANCE_CHANCE = env_int("HEARTH_BROKER_MAINTENANCE_CHANCE", 100_000)
+# Where the rate limits' buckets live in Redis (controlplane/gateway/ratelimiting.py).
+RATE_LIMIT_PREFIX = f"{env_str('HEARTH_BROKER_NAMESPACE', 'dramatiq')}:ratelimit:"
 if BROKER_URL.startswith("amqp"):
     DRAMATIQ_BROKER = {
         "BROKER": "dramatiq.brokers.rabbitmq.RabbitmqBroker",

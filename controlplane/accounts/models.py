@@ -12,15 +12,23 @@ import hashlib
 import hmac
 import re
 import secrets
+import time
 from datetime import timedelta
 
 from django.conf import settings
 from django.db import models
+from django.db.models.signals import post_delete, post_save
+from django.dispatch import receiver
 from django.utils import timezone
 
 KEY_PATTERN = re.compile(r"^hk_([0-9a-f]{12})_([A-Za-z0-9_-]{43})$")
 # last_used_at is written at most this often per key, so authentication is not a write per request.
 LAST_USED_RESOLUTION = timedelta(seconds=60)
+# How long a gateway process trusts a key it authenticated (ApiKeyManager.authenticate).
+AUTH_CACHE_S = 1.0
+_authenticated: dict[str, tuple[float, ApiKey]] = {}
+# Budgets in USD, to the micro-dollar.
+BUDGET = {"max_digits": 18, "decimal_places": 6}
 
 
 class Org(models.Model):
@@ -29,6 +37,9 @@ class Org(models.Model):
     slug = models.SlugField(max_length=64, unique=True)
     name = models.CharField(max_length=200)
     created = models.DateTimeField(auto_now_add=True)
+    # USD per calendar month (UTC), enforced at admission (controlplane/billing/budgets.py);
+    # null: no limit.
+    monthly_budget_usd = models.DecimalField(**BUDGET, null=True, blank=True)
 
     def __str__(self) -> str:
         return self.slug
@@ -77,7 +88,24 @@ class ApiKeyManager(models.Manager["ApiKey"]):
         return key, f"hk_{prefix}_{secret}"
 
     def authenticate(self, presented: str) -> ApiKey:
-        """The active key `presented` stands for; raises KeyRejected otherwise."""
+        """The active key `presented` stands for; raises KeyRejected otherwise.
+
+        A key that authenticated is kept for AUTH_CACHE_S per process, with its org: the lookup
+        is about a third of what admitting a completion costs the gateway (bench/job_queue.py).
+        A change to a key or org saved in the same process clears the cache at once; one made
+        elsewhere (a revocation, a new limit) takes effect within AUTH_CACHE_S."""
+        digest = hash_secret(presented)
+        hit = _authenticated.get(digest)
+        if hit is not None and time.monotonic() - hit[0] < AUTH_CACHE_S:
+            key = hit[1]
+            if key.expires_at is None or key.expires_at > timezone.now():
+                key.touch()
+                return key
+        key = self._authenticate(presented)
+        _authenticated[digest] = (time.monotonic(), key)
+        return key
+
+    def _authenticate(self, presented: str) -> ApiKey:
         match = KEY_PATTERN.match(presented)
         if match is None:
             raise KeyRejected("Malformed API key.", "invalid_api_key")
@@ -106,6 +134,10 @@ class ApiKey(models.Model):
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     expires_at = models.DateTimeField(null=True, blank=True)
+    # Limits of this key; null: none (controlplane/billing/budgets.py, ratelimit.py).
+    monthly_budget_usd = models.DecimalField(**BUDGET, null=True, blank=True)
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    tokens_per_minute = models.PositiveIntegerField(null=True, blank=True)
 
     objects = ApiKeyManager()
 
@@ -118,6 +150,7 @@ class ApiKey(models.Model):
         updated = ApiKey.objects.filter(pk=self.pk, revoked_at__isnull=True).update(revoked_at=now)
         if updated:
             self.revoked_at = now
+            _authenticated.clear()
         return bool(updated)
 
     def touch(self) -> None:
@@ -130,3 +163,11 @@ class ApiKey(models.Model):
         )
         if ApiKey.objects.filter(stale, pk=self.pk).update(last_used_at=now):
             self.last_used_at = now
+
+
+@receiver(post_save, sender=ApiKey)
+@receiver(post_delete, sender=ApiKey)
+@receiver(post_save, sender=Org)
+@receiver(post_delete, sender=Org)
+def _forget_authenticated_keys(**kwargs) -> None:
+    _authenticated.clear()

@@ -6,12 +6,13 @@ from decimal import Decimal
 
 from django.db import models
 
-from controlplane.billing.pricing import compute_costs, decimal_string
+from controlplane.billing.pricing import compute_costs, cost_object
 from controlplane.catalog.models import Price
 
-MONEY = {"max_digits": 24, "decimal_places": 12}
-# Prices have at most 6 decimals and are per million tokens: 12 places hold every cost exactly.
-MONEY_QUANTUM = Decimal("1e-12")
+MONEY = {"max_digits": 28, "decimal_places": 14}
+# Prices have at most 6 decimals and are per million tokens, discounts are whole percents: 14
+# places hold every cost exactly.
+MONEY_QUANTUM = Decimal("1e-14")
 
 
 class UsageRecordManager(models.Manager["UsageRecord"]):
@@ -27,6 +28,7 @@ class UsageRecordManager(models.Manager["UsageRecord"]):
         cached_tokens: int,
         completion_tokens: int,
         price: Price,
+        discount_percent: int = 0,
     ) -> tuple[UsageRecord, bool]:
         """The request's usage row, created once: a second call returns the first row.
 
@@ -39,6 +41,7 @@ class UsageRecordManager(models.Manager["UsageRecord"]):
             price.input_per_mtok,
             price.cached_input_per_mtok,
             price.output_per_mtok,
+            discount_percent,
         )
         return self.get_or_create(
             request_id=request_id,
@@ -51,6 +54,7 @@ class UsageRecordManager(models.Manager["UsageRecord"]):
                 "cached_tokens": cached_tokens,
                 "completion_tokens": completion_tokens,
                 "price": price,
+                "discount_percent": discount_percent,
                 "input_cost": costs.input.quantize(MONEY_QUANTUM),
                 "cached_input_cost": costs.cached_input.quantize(MONEY_QUANTUM),
                 "output_cost": costs.output.quantize(MONEY_QUANTUM),
@@ -74,6 +78,9 @@ class UsageRecord(models.Model):
     cached_tokens = models.PositiveIntegerField()
     completion_tokens = models.PositiveIntegerField()
     price = models.ForeignKey(Price, on_delete=models.PROTECT, related_name="usage")
+    # The price's async discount when it applied (async jobs, batch lines), else 0; the costs
+    # below are after it.
+    discount_percent = models.PositiveSmallIntegerField(default=0)
     input_cost = models.DecimalField(**MONEY)
     cached_input_cost = models.DecimalField(**MONEY)
     output_cost = models.DecimalField(**MONEY)
@@ -83,13 +90,13 @@ class UsageRecord(models.Model):
 
     objects = UsageRecordManager()
 
+    class Meta:
+        # Reports read the ledger by org and time (the partial days at a period's edges).
+        indexes = [models.Index(fields=["org", "created"], name="usage_org_created")]
+
     def cost_object(self) -> dict[str, str]:
         """The costs as decimal strings (USD), as the API shows them."""
-        return {
-            "currency": "USD",
-            "input": decimal_string(self.input_cost),
-            "cached_input": decimal_string(self.cached_input_cost),
-            "output": decimal_string(self.output_cost),
-            "total": decimal_string(self.total_cost),
-            "cache_savings": decimal_string(self.cache_savings),
-        }
+        return cost_object(self)
+
+
+from controlplane.billing import budgets, invoices, usage_days  # noqa: E402, F401 (their models)

@@ -54,17 +54,21 @@ class ServedModel(models.Model):
         return self.id
 
     def current_price(self, at=None) -> Price | None:
+        """The price in effect at `at` (now by default)."""
         return self.prices.filter(effective_from__lte=at or timezone.now()).first()
 
 
 class Price(models.Model):
-    """USD per 1M tokens for one model from `effective_from` on."""
+    """USD per 1M tokens for one model from `effective_from` on, and the discount, in percent,
+    that asynchronous jobs and batch lines get off all three."""
 
     model = models.ForeignKey(ServedModel, on_delete=models.CASCADE, related_name="prices")
     effective_from = models.DateTimeField(default=timezone.now)
     input_per_mtok = models.DecimalField(max_digits=12, decimal_places=6)
     cached_input_per_mtok = models.DecimalField(max_digits=12, decimal_places=6)
     output_per_mtok = models.DecimalField(max_digits=12, decimal_places=6)
+    # Whole percent: with a price's 6 decimals, every cost then fits the ledger's 14 exactly.
+    async_discount_percent = models.PositiveSmallIntegerField(default=0)
 
     class Meta:
         ordering = ["-effective_from"]
@@ -75,6 +79,10 @@ class Price(models.Model):
             models.CheckConstraint(
                 condition=models.Q(cached_input_per_mtok__lte=models.F("input_per_mtok")),
                 name="cached_input_not_dearer",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(async_discount_percent__gte=0, async_discount_percent__lte=100),
+                name="discount_is_a_percentage",
             ),
         ]
 

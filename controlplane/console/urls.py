@@ -3,7 +3,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from controlplane.console import views
+from controlplane.console import billing, views
 
 app_name = "console"
 
@@ -21,4 +21,7 @@ urlpatterns = [
     path("keys", views.keys, name="keys"),
     path("keys/<int:key_id>/revoke", views.revoke_key, name="revoke-key"),
     path("jobs", views.jobs, name="jobs"),
+    path("billing", billing.billing, name="billing"),
+    path("billing/usage.csv", billing.usage_csv, name="usage-csv"),
+    path("billing/invoices/<str:invoice_id>", billing.invoice, name="invoice"),
 ]

@@ -17,13 +17,17 @@ from typing import Any
 
 import dramatiq
 from django.conf import settings
-from django.db import close_old_connections
+from django.db import close_old_connections, transaction
+from django.utils import timezone
 
 from controlplane.accounts.authentication import principal_from_header
 from controlplane.accounts.models import KeyRejected
+from controlplane.billing import budgets
+from controlplane.billing.pricing import max_cost
 from controlplane.catalog.models import ServedModel
 from controlplane.catalog.registry import live_nodes
 from controlplane.gateway.errors import ApiError
+from controlplane.gateway.ratelimiting import take_rate_limit
 from controlplane.gateway.routing import Route, choose_route
 from controlplane.gateway.tokenization import prompt_token_ids, tokenizer_for
 from controlplane.gateway.validation import CompletionRequest, validate_completion_request
@@ -44,6 +48,7 @@ class Admission:
     request: CompletionRequest
     route: Route
     prompt_tokens: int
+    headers: dict[str, str]  # the rate limits' (ratelimiting.py)
 
 
 def _parse(body: bytes):
@@ -114,6 +119,9 @@ def _admit(authorization, body, endpoint, session_affinity, reply_channel) -> Ad
     parsed = _parse(body)
     prepared = prepare_request(parsed, endpoint)
     request = prepared.request
+    headers = take_rate_limit(
+        principal.api_key, len(prepared.prompt_token_ids) + prepared.sampling["max_tokens"]
+    )
     route = choose_route(prepared.model.id, live_nodes(prepared.model.id), session_affinity)
     if request.reject_if_busy and not route.has_room:
         raise ApiError(
@@ -144,7 +152,11 @@ def _admit(authorization, body, endpoint, session_affinity, reply_channel) -> Ad
     )
     enqueue_job(job, route, None if request.queue else reply_channel, deadline)
     return Admission(
-        job=job, request=request, route=route, prompt_tokens=len(prepared.prompt_token_ids)
+        job=job,
+        request=request,
+        route=route,
+        prompt_tokens=len(prepared.prompt_token_ids),
+        headers=headers,
     )
 
 
@@ -184,8 +196,10 @@ def submit_prepared(
     deadline: float,
     **fields: Any,
 ) -> Job:
-    """The queued Job (and its `job.queued` event) for a prepared request."""
-    return Job.objects.submit(
+    """The queued Job (and its `job.queued` event) for a prepared request, with its maximum cost
+    reserved in the budgets that limit it (billing/budgets.py); ApiError 402 `budget_exceeded`
+    when it does not fit, and then nothing is written."""
+    job_fields = dict(
         org=principal.org,
         api_key=principal.api_key,
         model=prepared.model.id,
@@ -197,6 +211,21 @@ def submit_prepared(
         deadline_at=datetime.fromtimestamp(deadline, tz=UTC),
         **fields,
     )
+    if not budgets.limited_scopes(principal.org, principal.api_key):
+        return Job.objects.submit(**job_fields)
+    price = prepared.model.current_price()
+    discount = price.async_discount_percent if mode in (Job.ASYNC, Job.BATCH) else 0
+    cost = max_cost(
+        price, len(prepared.prompt_token_ids), prepared.sampling["max_tokens"], discount
+    )
+    with transaction.atomic():
+        try:
+            reservation = budgets.reserve(principal.org, principal.api_key, cost, timezone.now())
+        except budgets.BudgetExceeded as exceeded:
+            raise ApiError(402, str(exceeded), code="budget_exceeded") from None
+        return Job.objects.submit(
+            **job_fields, reserved_cost=reservation.cost, budget_scopes=reservation.scopes
+        )
 
 
 def enqueue_job(job: Job, route: Route, reply_channel: str | None, deadline: float) -> None:

@@ -153,6 +153,8 @@ def _settled_message(job_pk: str) -> dict | None:
 
 def _with_headers(response, admission: Admission, node: str | None, cached: int | None):
     response["x-request-id"] = admission.job.request_id
+    for name, value in admission.headers.items():
+        response[name] = value
     if node:
         response["x-hearth-node"] = node
     if cached is not None:

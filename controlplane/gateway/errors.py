@@ -22,6 +22,7 @@ _TYPES = {
     409: "invalid_request_error",
     415: "invalid_request_error",
     422: "invalid_request_error",
+    402: "insufficient_quota",
     429: "rate_limit_error",
     503: "server_error",
     504: "server_error",
@@ -75,6 +76,12 @@ def _first_validation_error(detail, path: str = "") -> tuple[str | None, str]:
 
 def openai_exception_handler(exc, context):
     """DRF's EXCEPTION_HANDLER: OpenAI's error shape for every failure, 500s included."""
+    if isinstance(exc, ApiError):  # raised by shared steps (admission) under a DRF view
+        return Response(
+            error_body(exc.message, exc.status, exc.param, exc.code),
+            status=exc.status,
+            headers=exc.headers,
+        )
     response = exception_handler(exc, context)
     if response is None:
         logger.exception("unhandled error in %s", context.get("view"))

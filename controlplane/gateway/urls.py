@@ -1,5 +1,6 @@
 from django.urls import include, path
 
+from controlplane.billing import limits_api
 from controlplane.gateway import batches_api, completions, jobs_api, views
 
 urlpatterns = [
@@ -16,5 +17,8 @@ urlpatterns = [
     path("batches", batches_api.BatchList.as_view()),
     path("batches/<str:batch_id>", batches_api.BatchDetail.as_view()),
     path("batches/<str:batch_id>/cancel", batches_api.BatchCancel.as_view()),
+    path("budget", limits_api.Budget.as_view()),
+    path("api_keys/<str:prefix>/limits", limits_api.KeyLimits.as_view()),
     path("", include("controlplane.events.urls")),
+    path("", include("controlplane.billing.urls")),
 ]

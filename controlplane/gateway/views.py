@@ -29,6 +29,7 @@ def serialize_model(model: ServedModel) -> dict:
             "cached_input": decimal_string(price.cached_input_per_mtok),
             "output": decimal_string(price.output_per_mtok),
             "unit": "USD per 1M tokens",
+            "async_discount_percent": price.async_discount_percent,
         },
     }
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from decimal import Decimal
 from typing import Any
 
 import dramatiq
@@ -16,6 +17,7 @@ from django.conf import settings
 from django.db import models, transaction
 from django.utils import timezone
 
+from controlplane.billing import budgets
 from controlplane.billing.models import UsageRecord
 from controlplane.catalog.models import ServedModel
 from controlplane.events.models import Event
@@ -37,7 +39,7 @@ class JobManager(models.Manager["Job"]):
         """Create a queued job and its `job.queued` event together."""
         from controlplane.jobs.serializers import job_object
 
-        with transaction.atomic():
+        with transaction.atomic(savepoint=False):  # within admission's, when it reserves budget
             job = self.create(**fields)
             Event.objects.emit(job.org, "job.queued", job_object(job))
         return job
@@ -102,10 +104,11 @@ class JobManager(models.Manager["Job"]):
                 job.status = Job.EXPIRED if payload.get("error_code") == "expired" else Job.FAILED
                 job.error = payload["error"]
                 job.save()
+                budgets.settle(job, Decimal(0))
                 job.emit(f"job.{job.status}")
                 return True
             usage = payload["usage"]
-            price = ServedModel.objects.get(id=job.model).current_price()
+            price = ServedModel.objects.get(id=job.model).current_price(job.created)
             record, _ = UsageRecord.objects.record(
                 request_id=job.request_id,
                 org=job.org,
@@ -116,6 +119,7 @@ class JobManager(models.Manager["Job"]):
                 cached_tokens=usage["cached_tokens"],
                 completion_tokens=usage["completion_tokens"],
                 price=price,
+                discount_percent=job.discount_percent(price),
             )
             # Stopped early on purpose: billed for what it generated, settled as what stopped it.
             job.status = Job.COMPLETED
@@ -132,6 +136,7 @@ class JobManager(models.Manager["Job"]):
                 "timings": payload.get("timings") or {},
             }
             job.save()
+            budgets.settle(job, record.total_cost)
             job.emit(f"job.{job.status}")
             return True
 
@@ -176,6 +181,10 @@ class Job(models.Model):
     queue = models.CharField(max_length=300, blank=True)
     dispatches = models.PositiveIntegerField(default=1)
     dispatched_at = models.DateTimeField(default=timezone.now)
+    # What admission reserved of the month's budgets, and in which scopes (billing/budgets.py);
+    # released when the job settles.
+    reserved_cost = models.DecimalField(**budgets.MONEY, default=0)
+    budget_scopes = models.JSONField(default=list, blank=True)
     # A batch's job: its batch, and the `custom_id` of the input line it answers.
     batch = models.ForeignKey(
         "jobs.Batch", on_delete=models.CASCADE, null=True, blank=True, related_name="jobs"
@@ -224,6 +233,7 @@ class Job(models.Model):
             )
             if cancelled:
                 self.refresh_from_db()
+                budgets.settle(self, Decimal(0))
                 self.emit("job.cancelled")
                 return True
             requested = Job.objects.filter(
@@ -245,6 +255,7 @@ class Job(models.Model):
             )
             if expired:
                 self.refresh_from_db()
+                budgets.settle(self, Decimal(0))
                 self.emit("job.expired")
         return bool(expired)
 
@@ -274,6 +285,7 @@ class Job(models.Model):
             )
             if failed:
                 self.status, self.error, self.finished_at = Job.FAILED, error, now
+                budgets.settle(self, Decimal(0))
                 self.emit("job.failed")
         return bool(failed)
 
@@ -290,6 +302,10 @@ class Job(models.Model):
         if self.batch_id is not None and self.status in Job.TERMINAL:
             Batch.objects.job_settled(self)
         return event
+
+    def discount_percent(self, price) -> int:
+        """The price's async discount, for the work that can wait (async jobs, batch lines)."""
+        return price.async_discount_percent if self.mode in (Job.ASYNC, Job.BATCH) else 0
 
     def message_key(self) -> str:
         """Its current generation message's key in the broker (inference.node.keyed_messages)."""

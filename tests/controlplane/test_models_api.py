@@ -24,6 +24,7 @@ def test_it_lists_enabled_models_with_prices(api, key_a, smollm2):
         "cached_input": "0.1",
         "output": "3",
         "unit": "USD per 1M tokens",
+        "async_discount_percent": 0,
     }
 
 

@@ -53,7 +53,8 @@ class ProductionStack:
         self.processes[name] = process
         return process
 
-    def start_gateway(self) -> None:
+    def start_gateway(self, workers: int = 1) -> None:
+        """uvicorn; `workers` > 1 runs that many gateway processes on the one port."""
         self._spawn(
             "gateway",
             [
@@ -67,6 +68,7 @@ class ProductionStack:
                 str(self.port),
                 "--log-level",
                 "warning",
+                *(["--workers", str(workers)] if workers > 1 else []),
             ],
         )
 

@@ -16,6 +16,8 @@ DEMO_PRICES = {  # USD per 1M tokens: the input/cached/output ratio Workers AI c
     "cached_input_per_mtok": Decimal("0.10"),
     "output_per_mtok": Decimal("3.00"),
 }
+# Off all three for work that can wait (async jobs, batch lines), as OpenAI's Batch API gives.
+DEMO_ASYNC_DISCOUNT = 50
 
 
 class Command(BaseCommand):
@@ -37,7 +39,9 @@ class Command(BaseCommand):
             id=DEFAULT_MODEL, defaults={"source": DEFAULT_MODEL, "context_length": 8192}
         )
         if model.current_price() is None:
-            Price.objects.create(model=model, **DEMO_PRICES)
+            Price.objects.create(
+                model=model, **DEMO_PRICES, async_discount_percent=DEMO_ASYNC_DISCOUNT
+            )
         _, key = ApiKey.objects.create_key(org, "demo")
         shown = password if user.check_password(password) else "(the password you set)"
         self.stdout.write(f"Console:  {url}/console/")

@@ -29,6 +29,12 @@ class Command(BaseCommand):
         parser.add_argument("--input")
         parser.add_argument("--cached-input")
         parser.add_argument("--output")
+        parser.add_argument(
+            "--async-discount",
+            type=int,
+            default=0,
+            help="whole percent off for async jobs and batch lines",
+        )
 
     def handle(self, *args, model_id: str, source: str, context_length: int, **options):
         if context_length < 1:
@@ -46,10 +52,14 @@ class Command(BaseCommand):
             )
             if cached > input_price:
                 raise CommandError("--cached-input must not exceed --input")
+            discount = options["async_discount"]
+            if not 0 <= discount <= 100:
+                raise CommandError("--async-discount is a whole percent, 0 to 100")
             Price.objects.create(
                 model=model,
                 input_per_mtok=input_price,
                 cached_input_per_mtok=cached,
                 output_per_mtok=output,
+                async_discount_percent=discount,
             )
         self.stdout.write(model.id)

@@ -1,0 +1,162 @@
+"""Monthly budgets per org and per key: reserved at admission, settled at completion.
+
+A budget is a spend limit in USD for a calendar month (UTC), on an org
+(`Org.monthly_budget_usd`) and on a key (`ApiKey.monthly_budget_usd`); null is no limit. Each
+limited scope has a `SpendCounter` row per month holding what settled (`spent`) and what is
+reserved by requests still open (`reserved`).
+
+Admission reserves the request's maximum cost (every prompt token at the input price, plus
+`max_tokens` at the output price, less the async discount where it applies) with one conditional
+UPDATE per limited scope, `reserved += cost WHERE spent + reserved + cost <= limit`, in the
+transaction that writes the job: PostgreSQL's row lock serialises concurrent reservations, so
+they can never together pass the limit, and a refused one leaves no job and no reservation.
+Every terminal transition of the job then settles once, in its own transaction: the real cost
+(zero for a job that never ran) moves into `spent` and the whole reservation is released. A
+reservation and its settlement belong to the month the job was admitted in.
+
+A counter is created the first time its scope is limited in a month, starting from what the
+ledger holds for that scope and month; settlement keeps it up to date from then on (every
+settlement updates the org's and the key's counters for the month, limited or not, in one
+statement that touches no row when there is none). A request that settles while a counter is
+being created may be missing from it: budgets are exact from the counter on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import date, datetime
+from decimal import Decimal
+
+from django.db import models
+from django.db.models import Case, F, Sum, When
+from django.utils import timezone
+
+from controlplane.billing.pricing import decimal_string
+
+MONEY = {"max_digits": 28, "decimal_places": 14}
+
+
+def month_of(when: datetime) -> date:
+    """The first day of `when`'s month, in UTC."""
+    when = timezone.localtime(when, timezone=timezone.get_fixed_timezone(0))
+    return when.date().replace(day=1)
+
+
+def key_scope(api_key_id: int | None) -> str:
+    return f"key:{api_key_id}"
+
+
+ORG_SCOPE = "org"
+
+
+class BudgetExceeded(Exception):
+    """A reservation that does not fit the budget of `scope`."""
+
+    def __init__(self, scope: str, limit: Decimal, used: Decimal, cost: Decimal) -> None:
+        whose = "the organization's" if scope == ORG_SCOPE else "this API key's"
+        super().__init__(
+            f"This request may cost up to ${decimal_string(cost)}, which does not fit {whose} "
+            f"monthly budget of ${decimal_string(limit)} (${decimal_string(used)} spent or "
+            "reserved this month). Lower max_tokens, or raise the budget."
+        )
+        self.scope = scope
+
+
+class SpendCounter(models.Model):
+    """One limited scope's spend in one month: settled, and reserved by open requests."""
+
+    org = models.ForeignKey("accounts.Org", on_delete=models.CASCADE, related_name="+")
+    scope = models.CharField(max_length=32)  # "org" or "key:<id>"
+    month = models.DateField()
+    spent = models.DecimalField(**MONEY, default=Decimal(0))
+    reserved = models.DecimalField(**MONEY, default=Decimal(0))
+
+    class Meta:
+        app_label = "billing"
+        constraints = [
+            models.UniqueConstraint(fields=["org", "scope", "month"], name="one_counter_a_month")
+        ]
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What admission took: `cost` in each of `scopes`."""
+
+    cost: Decimal
+    scopes: list[str]
+
+
+def limited_scopes(org, api_key) -> list[tuple[str, Decimal]]:
+    """The scopes of a request that have a budget, with their limits."""
+    scopes = []
+    if org.monthly_budget_usd is not None:
+        scopes.append((ORG_SCOPE, org.monthly_budget_usd))
+    if api_key is not None and api_key.monthly_budget_usd is not None:
+        scopes.append((key_scope(api_key.pk), api_key.monthly_budget_usd))
+    return scopes
+
+
+def reserve(org, api_key, cost: Decimal, now: datetime) -> Reservation:
+    """Reserve `cost` in every limited scope, inside the caller's transaction (which must also
+    write the job); raises BudgetExceeded, and the caller's rollback undoes any part taken."""
+    taken = []
+    month = month_of(now)
+    for scope, limit in limited_scopes(org, api_key):
+        counter = month_counter(org, scope, month)
+        fits = models.Q(spent__lte=limit - cost - F("reserved"))
+        if not SpendCounter.objects.filter(fits, pk=counter.pk).update(
+            reserved=F("reserved") + cost
+        ):
+            counter.refresh_from_db()
+            raise BudgetExceeded(scope, limit, counter.spent + counter.reserved, cost)
+        taken.append(scope)
+    return Reservation(cost if taken else Decimal(0), taken)
+
+
+def settle(job, cost: Decimal) -> None:
+    """The job's terminal transition, inside its transaction: add `cost` to the month's counters
+    of its org and key, and release what it reserved. Called once per job."""
+    scopes = [ORG_SCOPE, key_scope(job.api_key_id)]
+    released = job.reserved_cost or Decimal(0)
+    if not cost and not released:
+        return
+    reserved_here = [s for s in (job.budget_scopes or []) if s in scopes]
+    SpendCounter.objects.filter(
+        org_id=job.org_id, month=month_of(job.created), scope__in=scopes
+    ).update(
+        spent=F("spent") + cost,
+        reserved=F("reserved")
+        - Case(When(scope__in=reserved_here, then=released), default=Decimal(0)),
+    )
+
+
+def usage_this_month(org, scope: str, now: datetime | None = None) -> dict[str, str] | None:
+    """The month's counter as the API shows it: spent and reserved; None without one."""
+    counter = SpendCounter.objects.filter(
+        org=org, scope=scope, month=month_of(now or timezone.now())
+    ).first()
+    if counter is None:
+        return None
+    return {"spent": decimal_string(counter.spent), "reserved": decimal_string(counter.reserved)}
+
+
+def month_counter(org, scope: str, month: date) -> SpendCounter:
+    """The scope's counter for `month`, created from the ledger the first time."""
+    counter = SpendCounter.objects.filter(org=org, scope=scope, month=month).first()
+    if counter is not None:
+        return counter
+    counter, _ = SpendCounter.objects.get_or_create(
+        org=org, scope=scope, month=month, defaults={"spent": _ledger_spend(org, scope, month)}
+    )
+    return counter
+
+
+def _ledger_spend(org, scope: str, month: date) -> Decimal:
+    from controlplane.billing.models import UsageRecord
+
+    start = datetime(month.year, month.month, 1, tzinfo=timezone.get_fixed_timezone(0))
+    end = datetime(month.year + month.month // 12, month.month % 12 + 1, 1, tzinfo=start.tzinfo)
+    rows = UsageRecord.objects.filter(org=org, created__gte=start, created__lt=end)
+    if scope != ORG_SCOPE:
+        rows = rows.filter(api_key_id=int(scope.removeprefix("key:")))
+    return rows.aggregate(total=Sum("total_cost"))["total"] or Decimal(0)
