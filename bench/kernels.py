@@ -339,8 +339,9 @@ def report(bench: Bench) -> dict:
         "benchmark": "kernels",
         "at": datetime.now(UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if bench.device == "cuda" else "cpu-smoke",
-        "copy_gb_s": round(bench.copy_gb_s, 1),
-        "matmul_tflop_s": round(bench.matmul_tflop_s, 2),
+        # Four significant digits: a CPU smoke run's rates are small, not zero.
+        "copy_gb_s": float(f"{bench.copy_gb_s:.4g}"),
+        "matmul_tflop_s": float(f"{bench.matmul_tflop_s:.4g}"),
         "kernels": [
             {
                 **asdict(row),

@@ -34,6 +34,8 @@ from django.utils import timezone
 from controlplane.billing.pricing import decimal_string
 
 MONEY = {"max_digits": 28, "decimal_places": 14}
+# (org id, scope, month) whose counter this process has seen exist: reservations skip the check.
+_known_counters: set[tuple[int, str, date]] = set()
 
 
 def month_of(when: datetime) -> date:
@@ -98,19 +100,37 @@ def limited_scopes(org, api_key) -> list[tuple[str, Decimal]]:
 
 def reserve(org, api_key, cost: Decimal, now: datetime) -> Reservation:
     """Reserve `cost` in every limited scope, inside the caller's transaction (which must also
-    write the job); raises BudgetExceeded, and the caller's rollback undoes any part taken."""
-    taken = []
+    write the job): per scope one UPDATE of its counter, taken only if the cost fits the limit.
+    Raises BudgetExceeded when a scope refuses; the caller's rollback then undoes what the
+    others took."""
     month = month_of(now)
+    taken = []
     for scope, limit in limited_scopes(org, api_key):
-        counter = month_counter(org, scope, month)
-        fits = models.Q(spent__lte=limit - cost - F("reserved"))
-        if not SpendCounter.objects.filter(fits, pk=counter.pk).update(
-            reserved=F("reserved") + cost
-        ):
-            counter.refresh_from_db()
-            raise BudgetExceeded(scope, limit, counter.spent + counter.reserved, cost)
+        if not _take(org, scope, month, limit, cost):
+            counter = SpendCounter.objects.filter(org=org, scope=scope, month=month).first()
+            if counter is not None:
+                raise BudgetExceeded(scope, limit, counter.spent + counter.reserved, cost)
+            # Not there (this process thought it was): create it, and try once more.
+            _known_counters.discard((org.pk, scope, month))
+            if not _take(org, scope, month, limit, cost):
+                counter = month_counter(org, scope, month)
+                raise BudgetExceeded(scope, limit, counter.spent + counter.reserved, cost)
         taken.append(scope)
     return Reservation(cost if taken else Decimal(0), taken)
+
+
+def _take(org, scope: str, month: date, limit: Decimal, cost: Decimal) -> bool:
+    """Add `cost` to the scope's reservations if it fits its limit: one UPDATE (and the
+    counter's creation, the first time this process meets it)."""
+    if (org.pk, scope, month) not in _known_counters:
+        month_counter(org, scope, month)
+        _known_counters.add((org.pk, scope, month))
+    fits = models.Q(spent__lte=limit - cost - F("reserved"))
+    return bool(
+        SpendCounter.objects.filter(fits, org=org, scope=scope, month=month).update(
+            reserved=F("reserved") + cost
+        )
+    )
 
 
 def settle(job, cost: Decimal) -> None:

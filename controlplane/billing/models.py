@@ -29,11 +29,13 @@ class UsageRecordManager(models.Manager["UsageRecord"]):
         completion_tokens: int,
         price: Price,
         discount_percent: int = 0,
-    ) -> tuple[UsageRecord, bool]:
-        """The request's usage row, created once: a second call returns the first row.
+    ) -> UsageRecord:
+        """Write the request's usage row: one INSERT.
 
-        Call inside the transaction that settles the job, so row and job change together.
-        """
+        Call inside the transaction that settles the job, holding its row lock after checking it
+        unsettled (`Job.objects.record_completion`), so row and job change together and no other
+        row for the request can exist; should one, the unique `request_id` refuses the second
+        (IntegrityError) rather than bill twice."""
         costs = compute_costs(
             prompt_tokens,
             cached_tokens,
@@ -43,24 +45,22 @@ class UsageRecordManager(models.Manager["UsageRecord"]):
             price.output_per_mtok,
             discount_percent,
         )
-        return self.get_or_create(
+        return self.create(
             request_id=request_id,
-            defaults={
-                "org": org,
-                "api_key": api_key,
-                "model": model,
-                "mode": mode,
-                "prompt_tokens": prompt_tokens,
-                "cached_tokens": cached_tokens,
-                "completion_tokens": completion_tokens,
-                "price": price,
-                "discount_percent": discount_percent,
-                "input_cost": costs.input.quantize(MONEY_QUANTUM),
-                "cached_input_cost": costs.cached_input.quantize(MONEY_QUANTUM),
-                "output_cost": costs.output.quantize(MONEY_QUANTUM),
-                "total_cost": costs.total.quantize(MONEY_QUANTUM),
-                "cache_savings": costs.cache_savings.quantize(MONEY_QUANTUM),
-            },
+            org=org,
+            api_key=api_key,
+            model=model,
+            mode=mode,
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached_tokens,
+            completion_tokens=completion_tokens,
+            price=price,
+            discount_percent=discount_percent,
+            input_cost=costs.input.quantize(MONEY_QUANTUM),
+            cached_input_cost=costs.cached_input.quantize(MONEY_QUANTUM),
+            output_cost=costs.output.quantize(MONEY_QUANTUM),
+            total_cost=costs.total.quantize(MONEY_QUANTUM),
+            cache_savings=costs.cache_savings.quantize(MONEY_QUANTUM),
         )
 
 

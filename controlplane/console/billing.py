@@ -16,6 +16,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET
 
 from controlplane.billing.invoices import FINALIZE_AFTER, Invoice
+from controlplane.billing.limits_api import RATE_FIELDS, budget_object
 from controlplane.billing.pricing import decimal_string
 from controlplane.billing.reports import GROUPINGS, UsageReport, month_bounds
 from controlplane.console.views import org_member_required
@@ -56,6 +57,15 @@ def spend_chart(report: UsageReport, start: datetime, end: datetime) -> list[dic
     return bars
 
 
+def used_percent(budget: dict) -> Decimal | None:
+    """Spent and reserved over the org's monthly budget, in percent (None without a budget)."""
+    if budget["monthly_budget_usd"] is None:
+        return None
+    limit = Decimal(budget["monthly_budget_usd"])
+    used = Decimal(budget["spent_usd"]) + Decimal(budget["reserved_usd"])
+    return round(used * 100 / limit, 1) if limit else Decimal(100)
+
+
 def report_rows(report: UsageReport) -> list[dict]:
     """A report's rows as the tables show them, the most expensive first."""
     rows = [
@@ -74,7 +84,15 @@ def billing(request: HttpRequest) -> HttpResponse:
     by_model = UsageReport.build(request.org, start, end, "model")
     by_key = UsageReport.build(request.org, start, end, "key")
     invoices = [invoice.as_object() for invoice in Invoice.objects.for_org(request.org)]
+    budget = budget_object(request.org)
     context = {
+        "budget": budget,
+        "budget_used_percent": used_percent(budget),
+        "limited_keys": [
+            key
+            for key in budget["keys"]
+            if any(key[f] is not None for f in ("monthly_budget_usd", *RATE_FIELDS))
+        ],
         "month": month,
         "month_param": f"{month:%Y-%m}",
         "previous_month": f"{month - timedelta(days=1):%Y-%m}",

@@ -65,17 +65,17 @@ async def _complete(request: HttpRequest, endpoint: str) -> HttpResponse:
         response = JsonResponse(job_object(admission.job), status=202)
         return _with_headers(response, admission, admission.route.node, None)
     deadline = time.monotonic() + settings.SYNC_REQUEST_TIMEOUT_S
+    done: dict = {}
     try:
-        first = await _receive(layer, reply_channel, deadline, admission.job)
+        done = await _receive(layer, reply_channel, deadline, admission.job)
         if admission.request.stream:
-            return _stream(layer, reply_channel, deadline, admission, first)
-        done = first
+            return _stream(layer, reply_channel, deadline, admission, done)
         while done["type"] == "delta":
             done = await _receive(layer, reply_channel, deadline, admission.job)
     except ApiError as error:
         return _with_headers(error.response(), admission, admission.route.node, None)
     except asyncio.CancelledError:
-        _abandon(admission.job)
+        _abandon(admission.job, done.get("node"))  # the last delta says where it runs
         raise
     job = admission.job
     body = completion_response(
@@ -124,14 +124,22 @@ async def _receive(layer, channel: str, deadline: float, job: Job) -> dict:
         return message
 
 
-def _abandon(job: Job) -> None:
-    """The client hung up: cancel its job, without waiting (the view is being cancelled)."""
-    asyncio.get_running_loop().run_in_executor(None, _cancel_abandoned, job.pk)
+def _abandon(job: Job, node: str | None) -> None:
+    """The client hung up: cancel its job, without waiting (the view is being cancelled).
+    `node`: where the stream said it runs, if it said."""
+    asyncio.get_running_loop().run_in_executor(None, _cancel_abandoned, job, node)
 
 
-def _cancel_abandoned(job_pk: str) -> None:
+def _cancel_abandoned(job: Job, node: str | None) -> None:
     try:
-        job = Job.objects.select_related("org").filter(pk=job_pk).first()
+        if node:
+            # Its deltas came from `node`: it runs there, even if the node's own start notice
+            # has not reached the control plane yet. Record that start (the notice, when it
+            # comes, is then a duplicate), so the cancel stops it there and bills what it made.
+            Job.objects.record_started(
+                {"request_id": job.request_id, "node": node, "attempt": job.attempts + 1}
+            )
+        job = Job.objects.select_related("org").filter(pk=job.pk).first()
         if job is not None and job.status not in Job.TERMINAL:
             job.cancel()
     finally:
@@ -188,7 +196,7 @@ def _stream(layer, channel: str, deadline: float, admission: Admission, first: d
         finally:
             # Cancelled while waiting for the node, or closed while sending: the client is gone.
             if not answered:
-                _abandon(job)
+                _abandon(job, first.get("node"))
 
     async def relay() -> AsyncIterator[bytes]:
         message = first

@@ -53,7 +53,7 @@ class JobManager(models.Manager["Job"]):
         if job is None:
             return False
         node = payload.get("node") or ""
-        started = job.start(node=node)
+        started = job.start(node=node, attempt=payload.get("attempt"))
         if job.attempts > settings.JOB_MAX_ATTEMPTS:
             job.fail(f"the request was started {job.attempts - 1} times and never finished")
         if job.status in Job.TERMINAL:
@@ -109,7 +109,7 @@ class JobManager(models.Manager["Job"]):
                 return True
             usage = payload["usage"]
             price = ServedModel.objects.get(id=job.model).current_price(job.created)
-            record, _ = UsageRecord.objects.record(
+            record = UsageRecord.objects.record(
                 request_id=job.request_id,
                 org=job.org,
                 api_key=job.api_key,
@@ -201,9 +201,12 @@ class Job(models.Model):
             models.Index(fields=["status", "model", "created"], name="job_status_model_created"),
         ]
 
-    def start(self, node: str = "") -> bool:
+    def start(self, node: str = "", attempt: int | None = None) -> bool:
         """queued → running, once (True then); a later start of a running job (its message
-        redelivered after its node died) counts one more attempt and moves it to that node."""
+        redelivered after its node died) counts one more attempt and moves it to that node. A
+        second notice of the start already counted (same node, an `attempt` number already
+        reached: the gateway records a start it saw in a stream before the node's own notice
+        arrives) changes nothing."""
         now = timezone.now()
         with transaction.atomic():
             claimed = Job.objects.filter(pk=self.pk, status=Job.QUEUED).update(
@@ -214,9 +217,10 @@ class Job(models.Model):
             )
             if not claimed:
                 # A redelivery: the node that ran it died (or restarted) before it finished.
-                Job.objects.filter(pk=self.pk, status=Job.RUNNING).update(
-                    node=node, attempts=models.F("attempts") + 1
-                )
+                rerun = Job.objects.filter(pk=self.pk, status=Job.RUNNING)
+                if attempt is not None:
+                    rerun = rerun.exclude(node=node, attempts__gte=attempt)
+                rerun.update(node=node, attempts=models.F("attempts") + 1)
             self.refresh_from_db(fields=["status", "started_at", "node", "attempts"])
             if claimed:
                 self.emit("job.running")

@@ -193,3 +193,17 @@ def test_a_job_that_keeps_killing_its_nodes_fails_after_the_attempt_limit(
     # The fourth node is told to drop it, so the message stops going round.
     assert control_messages(MODEL, "node-4") == [{"request_id": job.request_id}]
     assert event_types(job) == ["job.queued", "job.running", "job.failed"]
+
+
+def test_a_second_notice_of_the_same_start_counts_no_attempt(org_a, smollm2):
+    job = make_job(org_a)
+    notice = {"request_id": job.request_id, "node": "node-1", "attempt": 1}
+    assert Job.objects.record_started(notice)
+    assert not Job.objects.record_started(notice)  # the gateway recorded it first, say
+    job.refresh_from_db()
+    assert (job.status, job.attempts, job.node) == (Job.RUNNING, 1, "node-1")
+    # Its message redelivered to another node after node-1 died: that is a second attempt.
+    Job.objects.record_started({**notice, "node": "node-2"})
+    job.refresh_from_db()
+    assert (job.attempts, job.node) == (2, "node-2")
+    assert event_types(job) == ["job.queued", "job.running"]

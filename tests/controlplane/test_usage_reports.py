@@ -41,7 +41,7 @@ COST_KEYS = {
 
 def record(org, api_key, price, prompt, cached, completion, at=None, mode="sync"):
     """A ledger row as the worker writes it, moved to `at` when given."""
-    row, _ = UsageRecord.objects.record(
+    row = UsageRecord.objects.record(
         request_id=f"req_{uuid.uuid4().hex}",
         org=org,
         api_key=api_key,

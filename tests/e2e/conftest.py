@@ -9,6 +9,7 @@ from django.conf import settings
 
 from controlplane.accounts.models import ApiKey, Org
 from tests.controlplane.conftest import priced_model
+from tests.e2e.browser import browser_log, page  # noqa: F401  (fixtures of the console tests)
 from tests.e2e.stack import ProductionStack, RedisServer
 
 

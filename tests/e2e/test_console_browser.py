@@ -5,7 +5,6 @@ with the `openai` SDK appear in the jobs table and turn completed, live, without
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 
 import openai
 import pytest
@@ -13,19 +12,7 @@ import pytest
 from tests.e2e.stack import ROOT, EmbeddedServer
 from tests.e2e.user_path import get_json
 
-CHROMIUM = Path("/usr/bin/chromium")
-# NOTES.md: the flags Debian's Chromium needs here; never `playwright install` (it downloads).
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 SCREENSHOT = ROOT / "tests" / "artifacts" / "console-jobs.png"
-TIMEOUT_MS = 60_000
 STATUS_ORDER = ["queued", "running", "completed"]
 WATCH_ROWS = """
 window.__statuses = {};
@@ -54,35 +41,6 @@ def server(tmp_path, tiny_llama_dir):
             except subprocess.TimeoutExpired:
                 running.process.kill()
                 running.process.wait()
-
-
-@pytest.fixture
-def browser_log() -> list[str]:
-    """What the page printed to its console, and its uncaught errors."""
-    return []
-
-
-@pytest.fixture
-def page(browser_log):
-    """A fresh headless Chromium page, logging into `browser_log`."""
-    from playwright.sync_api import sync_playwright
-
-    assert CHROMIUM.exists(), (
-        "Debian's chromium is not at /usr/bin/chromium: `apt-get install -y chromium` "
-        "(.ci/run does it)"
-    )
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS
-        )
-        tab = browser.new_page(viewport={"width": 1400, "height": 800})
-        tab.set_default_timeout(TIMEOUT_MS)
-        tab.on("console", lambda message: browser_log.append(f"{message.type}: {message.text}"))
-        tab.on("pageerror", lambda error: browser_log.append(f"pageerror: {error}"))
-        try:
-            yield tab
-        finally:
-            browser.close()
 
 
 def cell_texts(page, row_selector: str) -> list[str]:
