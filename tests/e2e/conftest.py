@@ -54,10 +54,12 @@ def production_stack(redis_url: str, log_dir) -> ProductionStack:
 
 @pytest.fixture
 def stack(transactional_db, tmp_path):
-    """Gateway and worker started on the shared Redis; each test starts the nodes it needs."""
+    """Gateway, worker and sweeper (as production runs them) started on the shared Redis; each
+    test starts the nodes it needs."""
     running = production_stack(settings.DRAMATIQ_BROKER["OPTIONS"]["url"], tmp_path)
     running.start_gateway()
     running.start_worker()
+    running.start_sweeper()
     try:
         yield running
     finally:

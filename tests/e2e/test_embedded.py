@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests.e2e.stack import EmbeddedServer
-from tests.e2e.user_path import exercise_user_path, wait_for
+from tests.e2e.user_path import exercise_user_path, get_json, wait_for
 
 
 @pytest.fixture
@@ -44,3 +44,17 @@ def test_the_openai_sdk_drives_embedded_mode(embedded):
     [[total]] = database.execute("SELECT COUNT(*) FROM billing_usagerecord").fetchall()
     assert total == len(request_ids)
     assert all(row[-1] == "completed" for row in usage_rows())
+
+    # The usage report and the month's invoice count them too (SQLite keeps the daily sums with
+    # triggers, which a migration that rebuilds the ledger's table must restore).
+    [[prompt, completion]] = database.execute(
+        "SELECT SUM(prompt_tokens), SUM(completion_tokens) FROM billing_usagerecord"
+    ).fetchall()
+    report = get_json(f"{embedded.url}/v1/usage?group_by=model", embedded.api_key)
+    assert report["total"]["requests"] == len(request_ids)
+    assert (report["total"]["prompt_tokens"], report["total"]["completion_tokens"]) == (
+        prompt,
+        completion,
+    )
+    [invoice] = get_json(f"{embedded.url}/v1/invoices", embedded.api_key)["data"]
+    assert invoice["requests"] == len(request_ids)

@@ -85,9 +85,11 @@ def assert_webhooks_delivered(receiver: Receiver, secret: str, job_ids: list[str
     """Every event of the jobs reached the receiver, signed, under its own id as `webhook-id`,
     and each succeeded once in the delivery log."""
     events = {e.id: e for e in Event.objects.filter(data__id__in=job_ids)}
+    # An attempt a killed worker was sending is resent by the sweeper once its claim's lease
+    # (the webhook timeout plus a minute) has passed.
     wait_for(
         lambda: set(events) <= {headers["webhook-id"] for headers, _ in receiver.requests},
-        timeout_s=60,
+        timeout_s=150,
         what="every event delivered",
     )
     bodies = receiver.verified(secret)

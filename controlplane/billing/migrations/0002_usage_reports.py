@@ -60,6 +60,20 @@ def backfill(vendor: str) -> str:
     )
 
 
+def sqlite_triggers() -> list[str]:
+    """SQLite's three triggers (it has no trigger functions). Later migrations that alter the
+    ledger's table put them back: SQLite rebuilds a table to alter it, and drops its triggers."""
+    return [
+        f"CREATE TRIGGER billing_usageday_{event.lower()} AFTER {event} "
+        f"ON billing_usagerecord FOR EACH ROW BEGIN {' '.join(statements)} END;"
+        for event, statements in (
+            ("INSERT", [upsert("sqlite", "NEW", "")]),
+            ("UPDATE", [upsert("sqlite", "OLD", "-"), upsert("sqlite", "NEW", "")]),
+            ("DELETE", [upsert("sqlite", "OLD", "-")]),
+        )
+    ]
+
+
 def create_trigger(apps, schema_editor):
     vendor = schema_editor.connection.vendor
     if vendor == "postgresql":
@@ -78,15 +92,8 @@ def create_trigger(apps, schema_editor):
             "ON billing_usagerecord FOR EACH ROW EXECUTE FUNCTION billing_usageday_track();"
         )
     elif vendor == "sqlite":
-        for event, statements in (
-            ("INSERT", [upsert(vendor, "NEW", "")]),
-            ("UPDATE", [upsert(vendor, "OLD", "-"), upsert(vendor, "NEW", "")]),
-            ("DELETE", [upsert(vendor, "OLD", "-")]),
-        ):
-            schema_editor.execute(
-                f"CREATE TRIGGER billing_usageday_{event.lower()} AFTER {event} "
-                f"ON billing_usagerecord FOR EACH ROW BEGIN {' '.join(statements)} END;"
-            )
+        for statement in sqlite_triggers():
+            schema_editor.execute(statement)
     else:
         raise NotImplementedError(f"no UsageDay trigger for {vendor}")
     schema_editor.execute(backfill(vendor))

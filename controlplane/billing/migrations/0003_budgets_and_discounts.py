@@ -2,7 +2,20 @@
 
 import django.db.models.deletion
 from decimal import Decimal
+import importlib
+
 from django.db import migrations, models
+
+
+def restore_sqlite_triggers(apps, schema_editor):
+    """SQLite rebuilt the ledger's table to alter its columns, dropping UsageDay's triggers with
+    it: put them back. No backfill: the rebuild copied the rows without firing any trigger, and
+    the daily sums already hold them."""
+    if schema_editor.connection.vendor != "sqlite":
+        return
+    usage_reports = importlib.import_module("controlplane.billing.migrations.0002_usage_reports")
+    for statement in usage_reports.sqlite_triggers():
+        schema_editor.execute(statement)
 
 
 class Migration(migrations.Migration):
@@ -97,4 +110,5 @@ class Migration(migrations.Migration):
                 'constraints': [models.UniqueConstraint(fields=('org', 'scope', 'month'), name='one_counter_a_month')],
             },
         ),
+        migrations.RunPython(restore_sqlite_triggers, migrations.RunPython.noop),
     ]
