@@ -173,9 +173,9 @@ def month_counter(org, scope: str, month: date) -> SpendCounter:
 
 def _ledger_spend(org, scope: str, month: date) -> Decimal:
     from controlplane.billing.models import UsageRecord
+    from controlplane.billing.reports import month_bounds
 
-    start = datetime(month.year, month.month, 1, tzinfo=timezone.get_fixed_timezone(0))
-    end = datetime(month.year + month.month // 12, month.month % 12 + 1, 1, tzinfo=start.tzinfo)
+    start, end = month_bounds(month)
     rows = UsageRecord.objects.filter(org=org, created__gte=start, created__lt=end)
     if scope != ORG_SCOPE:
         rows = rows.filter(api_key_id=int(scope.removeprefix("key:")))

@@ -214,9 +214,11 @@ def submit_prepared(
     if not budgets.limited_scopes(principal.org, principal.api_key):
         return Job.objects.submit(**job_fields)
     price = prepared.model.current_price()
-    discount = price.async_discount_percent if mode in (Job.ASYNC, Job.BATCH) else 0
     cost = max_cost(
-        price, len(prepared.prompt_token_ids), prepared.sampling["max_tokens"], discount
+        price,
+        len(prepared.prompt_token_ids),
+        prepared.sampling["max_tokens"],
+        Job.discount_percent(price, mode),
     )
     with transaction.atomic():
         try:

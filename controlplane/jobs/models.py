@@ -119,7 +119,7 @@ class JobManager(models.Manager["Job"]):
                 cached_tokens=usage["cached_tokens"],
                 completion_tokens=usage["completion_tokens"],
                 price=price,
-                discount_percent=job.discount_percent(price),
+                discount_percent=Job.discount_percent(price, job.mode),
             )
             # Stopped early on purpose: billed for what it generated, settled as what stopped it.
             job.status = Job.COMPLETED
@@ -307,9 +307,10 @@ class Job(models.Model):
             Batch.objects.job_settled(self)
         return event
 
-    def discount_percent(self, price) -> int:
+    @staticmethod
+    def discount_percent(price, mode: str) -> int:
         """The price's async discount, for the work that can wait (async jobs, batch lines)."""
-        return price.async_discount_percent if self.mode in (Job.ASYNC, Job.BATCH) else 0
+        return price.async_discount_percent if mode in (Job.ASYNC, Job.BATCH) else 0
 
     def message_key(self) -> str:
         """Its current generation message's key in the broker (inference.node.keyed_messages)."""

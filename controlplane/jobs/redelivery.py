@@ -31,7 +31,7 @@ from django.utils import timezone
 from controlplane.catalog.registry import live_nodes
 from controlplane.gateway.routing import choose_route
 from controlplane.jobs.models import Job
-from inference.node.keyed_messages import RECORD_SUFFIX, held_keys
+from inference.node.keyed_messages import RECORD_SUFFIX, held_keys, keeps_keys
 from inference.node.protocol import CONTROLPLANE_QUEUE
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ BATCH = 500
 def redeliver_lost(grace_s: float) -> int | None:
     """Dispatch again every open job the broker lost; how many (None: this broker cannot tell)."""
     broker = dramatiq.get_broker()
-    if held_keys(broker, []) is None:
+    if not keeps_keys(broker):
         return None
     cutoff = timezone.now() - timedelta(seconds=grace_s)
     open_jobs = (

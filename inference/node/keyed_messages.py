@@ -20,9 +20,14 @@ from dramatiq.brokers.redis import RedisBroker
 RECORD_SUFFIX = ".record"
 
 
+def keeps_keys(broker) -> bool:
+    """Whether `broker` stores messages under keys we choose and can be asked for them."""
+    return isinstance(broker, RedisBroker)
+
+
 def enqueue_keyed(broker, message: Message, key: str) -> None:
     """Enqueue `message` under `key` (Redis), or plainly (any other broker)."""
-    if not isinstance(broker, RedisBroker):
+    if not keeps_keys(broker):
         broker.enqueue(message)
         return
     message = message.copy(options={"redis_message_id": key})
@@ -39,7 +44,7 @@ def message_key(message) -> str | None:
 def held_keys(broker, wanted: list[tuple[str, str]]) -> list[bool] | None:
     """For each `(queue, key)`, whether the broker still holds that message; None when the
     broker cannot be asked (not Redis). One pipelined round trip."""
-    if not isinstance(broker, RedisBroker):
+    if not keeps_keys(broker):
         return None
     pipeline = broker.client.pipeline(transaction=False)
     for queue, key in wanted:

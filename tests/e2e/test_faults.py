@@ -81,6 +81,17 @@ def watch_webhooks(url: str, key: str, receiver: Receiver) -> str:
     return post(f"{url}/v1/webhook_endpoints", key, {"url": receiver.url})["secret"]
 
 
+def start_jobs(
+    stack, model: str, key: str, receiver: Receiver, *node_args: str, count=JOBS, max_tokens=200
+):
+    """node-a started (with `node_args`) and ready, the receiver taking the org's webhooks, and
+    `count` jobs submitted: (the receiver's secret, the job ids)."""
+    stack.start_node(model, "node-a", *node_args, threads=1)
+    stack.wait_ready(model, nodes=1, api_key=key)
+    secret = watch_webhooks(stack.url, key, receiver)
+    return secret, submit_jobs(stack.url, key, model, count, max_tokens)
+
+
 def assert_webhooks_delivered(receiver: Receiver, secret: str, job_ids: list[str]) -> None:
     """Every event of the jobs reached the receiver, signed, under its own id as `webhook-id`,
     and each succeeded once in the delivery log."""
@@ -129,10 +140,7 @@ def test_a_node_killed_mid_generation_loses_nothing(stack, tiny_model, acme_key,
     stack.env["HEARTH_BROKER_HEARTBEAT_TIMEOUT_MS"] = "3000"
     # 8 at a time: node-a is still at work when the worker, busy with webhooks too, has recorded
     # its first start.
-    stack.start_node(tiny_model.id, "node-a", "--max-num-seqs", "8", threads=1)
-    stack.wait_ready(tiny_model.id, nodes=1, api_key=acme_key)
-    secret = watch_webhooks(stack.url, acme_key, receiver)
-    job_ids = submit_jobs(stack.url, acme_key, tiny_model.id, JOBS)
+    secret, job_ids = start_jobs(stack, tiny_model.id, acme_key, receiver, "--max-num-seqs", "8")
     try:
         wait_for(
             lambda: Job.objects.filter(id__in=job_ids, status=Job.RUNNING).exists(),
@@ -159,10 +167,7 @@ def test_a_node_killed_mid_generation_loses_nothing(stack, tiny_model, acme_key,
 def test_a_worker_killed_while_it_records_completions_loses_nothing(
     stack, tiny_model, acme_key, receiver
 ):
-    stack.start_node(tiny_model.id, "node-a", threads=1)
-    stack.wait_ready(tiny_model.id, nodes=1, api_key=acme_key)
-    secret = watch_webhooks(stack.url, acme_key, receiver)
-    job_ids = submit_jobs(stack.url, acme_key, tiny_model.id, JOBS)
+    secret, job_ids = start_jobs(stack, tiny_model.id, acme_key, receiver)
     worker = stack.processes["worker"]
     try:
         wait_for(
@@ -190,10 +195,7 @@ def test_a_redis_restart_loses_no_job(
 ):
     stack = stack_on_own_redis
     # 8 at a time, so most jobs are still queued when Redis goes.
-    stack.start_node(tiny_model.id, "node-a", "--max-num-seqs", "8", threads=1)
-    stack.wait_ready(tiny_model.id, nodes=1, api_key=acme_key)
-    secret = watch_webhooks(stack.url, acme_key, receiver)
-    job_ids = submit_jobs(stack.url, acme_key, tiny_model.id, JOBS)
+    secret, job_ids = start_jobs(stack, tiny_model.id, acme_key, receiver, "--max-num-seqs", "8")
     try:
         wait_for(
             lambda: Job.objects.filter(id__in=job_ids, status=Job.COMPLETED).exists(),
@@ -217,10 +219,7 @@ def test_a_receiver_that_fails_then_times_out_gets_every_event_once_it_recovers(
     stack, tiny_model, acme_key, receiver
 ):
     receiver.script = [(0, 500)] * 6 + [(1.5, 200)] * 3  # then 200 at once
-    stack.start_node(tiny_model.id, "node-a", threads=1)
-    stack.wait_ready(tiny_model.id, nodes=1, api_key=acme_key)
-    secret = watch_webhooks(stack.url, acme_key, receiver)
-    job_ids = submit_jobs(stack.url, acme_key, tiny_model.id, 6, max_tokens=8)
+    secret, job_ids = start_jobs(stack, tiny_model.id, acme_key, receiver, count=6, max_tokens=8)
     try:
         wait_until_completed(job_ids)
         assert_settled_once(job_ids)

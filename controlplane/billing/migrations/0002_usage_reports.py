@@ -95,7 +95,8 @@ def create_trigger(apps, schema_editor):
         for statement in sqlite_triggers():
             schema_editor.execute(statement)
     else:
-        raise NotImplementedError(f"no UsageDay trigger for {vendor}")
+        # settings.database_from_url accepts only these two.
+        raise RuntimeError(f"Hearth runs on PostgreSQL or SQLite, not {vendor}")
     schema_editor.execute(backfill(vendor))
 
 
