@@ -6,10 +6,11 @@ limited scope has a `SpendCounter` row per month holding what settled (`spent`) 
 reserved by requests still open (`reserved`).
 
 Admission reserves the request's maximum cost (every prompt token at the input price, plus
-`max_tokens` at the output price, less the async discount where it applies) with one conditional
-UPDATE per limited scope, `reserved += cost WHERE spent + reserved + cost <= limit`, in the
-transaction that writes the job: PostgreSQL's row lock serialises concurrent reservations, so
-they can never together pass the limit, and a refused one leaves no job and no reservation.
+`max_tokens` at the output price, less the async discount where it applies) in one conditional
+UPDATE of the limited scopes' counters (per scope `reserved += cost WHERE spent + reserved + cost
+<= limit`), in the transaction that writes the job: PostgreSQL's row locks serialise concurrent
+reservations, so they can never together pass the limit, and a refused one leaves no job and no
+reservation.
 Every terminal transition of the job then settles once, in its own transaction: the real cost
 (zero for a job that never ran) moves into `spent` and the whole reservation is released. A
 reservation and its settlement belong to the month the job was admitted in.
@@ -27,8 +28,8 @@ from dataclasses import dataclass
 from datetime import date, datetime
 from decimal import Decimal
 
-from django.db import models
-from django.db.models import Case, F, Sum, When
+from django.db import connection, models
+from django.db.models import Sum
 from django.utils import timezone
 
 from controlplane.billing.pricing import decimal_string
@@ -100,54 +101,92 @@ def limited_scopes(org, api_key) -> list[tuple[str, Decimal]]:
 
 def reserve(org, api_key, cost: Decimal, now: datetime) -> Reservation:
     """Reserve `cost` in every limited scope, inside the caller's transaction (which must also
-    write the job): per scope one UPDATE of its counter, taken only if the cost fits the limit.
-    Raises BudgetExceeded when a scope refuses; the caller's rollback then undoes what the
-    others took."""
+    write the job): one UPDATE of the scopes' counters, each taken only if the cost fits its
+    limit. Raises BudgetExceeded when a scope refuses, having given back what the others took."""
     month = month_of(now)
-    taken = []
-    for scope, limit in limited_scopes(org, api_key):
-        if not _take(org, scope, month, limit, cost):
-            counter = SpendCounter.objects.filter(org=org, scope=scope, month=month).first()
-            if counter is not None:
-                raise BudgetExceeded(scope, limit, counter.spent + counter.reserved, cost)
-            # Not there (this process thought it was): create it, and try once more.
-            _known_counters.discard((org.pk, scope, month))
-            if not _take(org, scope, month, limit, cost):
-                counter = month_counter(org, scope, month)
-                raise BudgetExceeded(scope, limit, counter.spent + counter.reserved, cost)
-        taken.append(scope)
-    return Reservation(cost if taken else Decimal(0), taken)
+    scopes = limited_scopes(org, api_key)
+    if not scopes:
+        return Reservation(Decimal(0), [])
+    for scope, _ in scopes:
+        if (org.pk, scope, month) not in _known_counters:
+            month_counter(org, scope, month)
+            _known_counters.add((org.pk, scope, month))
+    taken = _take(org.pk, month, scopes, cost)
+    if len(taken) < len(scopes):
+        _give_back(org.pk, month, taken, cost)
+        scope, limit = next((s, limit) for s, limit in scopes if s not in taken)
+        # Gone since this process saw it (deleted by hand)? It is created afresh next time.
+        _known_counters.discard((org.pk, scope, month))
+        counter = month_counter(org, scope, month)
+        raise BudgetExceeded(scope, limit, counter.spent + counter.reserved, cost)
+    return Reservation(cost, [scope for scope, _ in scopes])
 
 
-def _take(org, scope: str, month: date, limit: Decimal, cost: Decimal) -> bool:
-    """Add `cost` to the scope's reservations if it fits its limit: one UPDATE (and the
-    counter's creation, the first time this process meets it)."""
-    if (org.pk, scope, month) not in _known_counters:
-        month_counter(org, scope, month)
-        _known_counters.add((org.pk, scope, month))
-    fits = models.Q(spent__lte=limit - cost - F("reserved"))
-    return bool(
-        SpendCounter.objects.filter(fits, org=org, scope=scope, month=month).update(
-            reserved=F("reserved") + cost
-        )
+# The budget statements are written out: they run on every admission and settlement, where the
+# ORM's compilation of the same UPDATE cost more than the database's round trip. Amounts are
+# passed as text and cast, which PostgreSQL and SQLite both read exactly.
+_TABLE = "billing_spendcounter"
+_AMOUNT = "CAST(%s AS NUMERIC)"
+
+
+def _take(org_id: int, month: date, scopes: list[tuple[str, Decimal]], cost: Decimal) -> set:
+    """Add `cost` to the reservations of each scope it fits; the scopes that took it. One
+    conditional UPDATE: the row locks serialise concurrent reservations of a scope."""
+    fits = " OR ".join(
+        f"(scope = %s AND spent + reserved + {_AMOUNT} <= {_AMOUNT})" for _ in scopes
     )
+    params = [str(cost), org_id, _month_value(month)]
+    for scope, limit in scopes:
+        params += [scope, str(cost), str(limit)]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {_TABLE} SET reserved = reserved + {_AMOUNT} "
+            f"WHERE org_id = %s AND month = %s AND ({fits}) RETURNING scope",
+            params,
+        )
+        return {row[0] for row in cursor.fetchall()}
+
+
+def _give_back(org_id: int, month: date, scopes: set, cost: Decimal) -> None:
+    if not scopes:
+        return
+    marks = ", ".join(["%s"] * len(scopes))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {_TABLE} SET reserved = reserved - {_AMOUNT} "
+            f"WHERE org_id = %s AND month = %s AND scope IN ({marks})",
+            [str(cost), org_id, _month_value(month), *sorted(scopes)],
+        )
+
+
+def _month_value(month: date):
+    return connection.ops.adapt_datefield_value(month)
 
 
 def settle(job, cost: Decimal) -> None:
     """The job's terminal transition, inside its transaction: add `cost` to the month's counters
-    of its org and key, and release what it reserved. Called once per job."""
-    scopes = [ORG_SCOPE, key_scope(job.api_key_id)]
+    of its org and key, and release what it reserved. Called once per job. One UPDATE, which
+    touches no row for a scope without a counter."""
     released = job.reserved_cost or Decimal(0)
     if not cost and not released:
         return
-    reserved_here = [s for s in (job.budget_scopes or []) if s in scopes]
-    SpendCounter.objects.filter(
-        org_id=job.org_id, month=month_of(job.created), scope__in=scopes
-    ).update(
-        spent=F("spent") + cost,
-        reserved=F("reserved")
-        - Case(When(scope__in=reserved_here, then=released), default=Decimal(0)),
-    )
+    scopes = [ORG_SCOPE, key_scope(job.api_key_id)]
+    reserved_here = [s for s in (job.budget_scopes or []) if s in scopes] or [""]
+    marks = ", ".join(["%s"] * len(reserved_here))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {_TABLE} SET spent = spent + {_AMOUNT}, reserved = reserved - "
+            f"CASE WHEN scope IN ({marks}) THEN {_AMOUNT} ELSE 0 END "
+            "WHERE org_id = %s AND month = %s AND scope IN (%s, %s)",
+            [
+                str(cost),
+                *reserved_here,
+                str(released),
+                job.org_id,
+                _month_value(month_of(job.created)),
+                *scopes,
+            ],
+        )
 
 
 def usage_this_month(org, scope: str, now: datetime | None = None) -> dict[str, str] | None:

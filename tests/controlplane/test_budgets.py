@@ -158,6 +158,24 @@ def test_a_key_budget_limits_only_that_key(org_a, key_a, tiny):
     assert not SpendCounter.objects.filter(scope="org").exists()  # the org has no budget
 
 
+def test_a_refusal_by_one_scope_leaves_the_others_untouched(org_a, key_a, tiny):
+    """Org and key both limited, in one statement: the key refuses, so the org's reservation,
+    taken by the same UPDATE, is given back before the 402."""
+    cost = request_max_cost(tiny, 40)
+    org_a.monthly_budget_usd = cost * 10
+    org_a.save()
+    limited = ApiKey.objects.get(org=org_a)
+    limited.monthly_budget_usd = cost.quantize(Decimal("1e-6"), rounding=ROUND_UP)
+    limited.save()
+    submit(key_a, tiny.id, 40)
+    with pytest.raises(ApiError) as refused:
+        submit(key_a, tiny.id, 40)
+    assert refused.value.status == 402 and "this API key's" in refused.value.message
+    assert counter(org_a).reserved == cost
+    assert counter(org_a, key_scope(limited.pk)).reserved == cost
+    assert Job.objects.filter(org=org_a).count() == 1
+
+
 def test_a_budget_set_mid_month_counts_what_the_ledger_already_holds(client, org_a, key_a, tiny):
     job = submit(key_a, tiny.id, 40)
     complete(job, completion=40)
