@@ -93,9 +93,11 @@ def start_stack(
     max_num_seqs: int,
     node_threads: int | None,
     gateway_workers: int = 1,
+    nice: int = 0,
 ):
     """Production mode on a fresh `hearth_bench` database, serving a tiny random Llama:
-    (stack, API key, model id). The node is started; wait for it with `stack.wait_ready`."""
+    (stack, API key, model id). The node is started; wait for it with `stack.wait_ready`.
+    `nice` > 0 runs the node and the worker at that lower CPU priority."""
     namespace = f"hearth-bench-{os.getpid()}"
     database_url = prepare_database(postgres)
     setup_django(database_url, redis_url, namespace)
@@ -107,9 +109,14 @@ def start_stack(
     key = seed(model_id, build_tiny_model(work / "tiny", "llama"))
     stack = ProductionStack(database_url, redis_url, namespace, work)
     stack.start_gateway(gateway_workers)
-    stack.start_worker()
+    stack.start_worker(nice=nice)
     stack.start_node(
-        model_id, "bench-node", "--max-num-seqs", str(max_num_seqs), threads=node_threads
+        model_id,
+        "bench-node",
+        "--max-num-seqs",
+        str(max_num_seqs),
+        threads=node_threads,
+        nice=nice,
     )
     return stack, key, model_id
 

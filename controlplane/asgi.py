@@ -18,8 +18,10 @@ django_application = get_asgi_application()
 
 from django.conf import settings  # noqa: E402
 from django.core import signals  # noqa: E402
+from django.core.cache import close_caches  # noqa: E402
 from django.core.handlers.asgi import ASGIHandler  # noqa: E402
-from django.db import close_old_connections  # noqa: E402
+from django.core.handlers.base import reset_urlconf  # noqa: E402
+from django.db import close_old_connections, reset_queries  # noqa: E402
 
 
 class ApiHandler(ASGIHandler):
@@ -38,18 +40,27 @@ class ApiHandler(ASGIHandler):
 
 api_application = ApiHandler()
 
-# Django closes stale database connections on every request_started and request_finished; under
-# ASGI each of those sync receivers is a hop to the sync thread, two per request. API requests
-# skip them: the completion views use the database only in the shared thread pool, whose
-# admission step calls `close_old_connections` itself, and the DRF views run, as every sync view
-# under Django's ASGI handler, in a thread of their own request (asgiref's
-# ThreadSensitiveContext), whose connection ends with it. That is about 2 ms a request here
-# (bench/gateway.py), and no queue behind the sync thread under load. Console requests, sent by
-# the plain ASGIHandler, keep Django's behaviour.
-signals.request_started.disconnect(close_old_connections)
-signals.request_finished.disconnect(close_old_connections)
-signals.request_started.connect(close_old_connections, sender=ASGIHandler)
-signals.request_finished.connect(close_old_connections, sender=ASGIHandler)
+# Django hangs sync receivers on request_started and request_finished: it closes stale database
+# connections (both), resets the query log (started), closes the cache connections and resets
+# the urlconf (finished). Under ASGI the sync receivers of a signal run in the request's sync
+# thread (asgiref's ThreadSensitiveContext), which Django starts for the request just for them:
+# a thread start and two hops for each API request. API requests skip them all: the completion
+# views use the database only in the shared thread pool, whose admission step calls
+# `close_old_connections` itself; the DRF views run, as every sync view under Django's ASGI
+# handler, in that thread of their own request, whose connection ends with it; the API sets no
+# urlconf, uses no cache, and keeps no query log (DEBUG is off in production). Dropping the
+# connection receivers measured about 2 ms a request here (bench/gateway.py), the rest about 1 ms
+# of the gateway's CPU per job (bench/job_queue.py). Console requests, sent by the plain
+# ASGIHandler, keep Django's behaviour.
+for signal, receiver in (
+    (signals.request_started, reset_queries),
+    (signals.request_started, close_old_connections),
+    (signals.request_finished, close_caches),
+    (signals.request_finished, reset_urlconf),
+    (signals.request_finished, close_old_connections),
+):
+    signal.disconnect(receiver)
+    signal.connect(receiver, sender=ASGIHandler)
 
 
 async def http_application(scope, receive, send):

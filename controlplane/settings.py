@@ -226,6 +226,11 @@ else:
 
 # How long a synchronous request waits for its answer, queue time included.
 SYNC_REQUEST_TIMEOUT_S = env_float("HEARTH_SYNC_REQUEST_TIMEOUT_S", 600.0)
+# Concurrent admissions of a gateway process write their jobs in shared transactions
+# (controlplane/gateway/group_commit.py); off, each writes its own.
+ADMISSION_GROUP_COMMIT = env_bool("HEARTH_GROUP_COMMIT", True)
+# Threads of a gateway process that run admissions (controlplane/gateway/completions.py).
+ADMISSION_THREADS = env_int("HEARTH_ADMISSION_THREADS", 16)
 # A queued job's deadline when its request names none (`deadline_s`): after it, it is expired.
 JOB_DEADLINE_S = env_int("HEARTH_JOB_DEADLINE_S", 24 * 3600)
 # How many times a job may start on a node before it is failed instead of tried again (a request

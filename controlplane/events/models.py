@@ -49,18 +49,37 @@ class EventManager(models.Manager["Event"]):
         sequences 10 and 11 and commit 11 first, and a reader resuming "after 11" (the event
         stream's cursor) would never see 10. Emits are the last writes of their transactions, so
         the lock serialises little more than the commits. SQLite has one writer at a time."""
-        with transaction.atomic(savepoint=False):
-            webhooks = _lock_org_events(org.pk)
-            event = self.create(org=org, type=type, data=data, fan_out_pending=webhooks)
-        message, sequence = event.as_message(), event.sequence
-        transaction.on_commit(lambda: push_to_org(org.pk, message, sequence))
-        if webhooks:
-            # The worker creates the deliveries; a broker outage must not fail the caller (the
-            # sweep fans out what stays pending: controlplane/events/redelivery.py).
-            from controlplane.events.tasks import fan_out_event  # the actors import this module
-
-            transaction.on_commit(lambda: fan_out_event.send(sequence), robust=True)
+        [event] = self.emit_all([(org, type, data)])
         return event
+
+    def emit_all(self, events: list[tuple[Any, str, dict[str, Any]]]) -> list[Event]:
+        """`emit` for several `(org, type, data)` at once (admission's group commit): each org's
+        lock once, in org order, and one INSERT for all the rows, in the order given."""
+        orgs = {org.pk: org for org, _, _ in events}
+        with transaction.atomic(savepoint=False):
+            webhooks = {org_pk: _lock_org_events(org_pk) for org_pk in sorted(orgs)}
+            rows = self.bulk_create(
+                [
+                    Event(org=org, type=type, data=data, fan_out_pending=webhooks[org.pk])
+                    for org, type, data in events
+                ]
+            )
+        for event in rows:
+            _announce_on_commit(event)
+        return rows
+
+
+def _announce_on_commit(event: Event) -> None:
+    """Push the event once its row commits; and have the worker fan it out to the org's webhook
+    endpoints, if it had any when written."""
+    org_pk, message, sequence = event.org_id, event.as_message(), event.sequence
+    transaction.on_commit(lambda: push_to_org(org_pk, message, sequence))
+    if event.fan_out_pending:
+        # The worker creates the deliveries; a broker outage must not fail the caller (the
+        # sweep fans out what stays pending: controlplane/events/redelivery.py).
+        from controlplane.events.tasks import fan_out_event  # the actors import this module
+
+        transaction.on_commit(lambda: fan_out_event.send(sequence), robust=True)
 
 
 class Event(models.Model):

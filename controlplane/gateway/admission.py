@@ -17,8 +17,7 @@ from typing import Any
 
 import dramatiq
 from django.conf import settings
-from django.db import close_old_connections, transaction
-from django.utils import timezone
+from django.db import close_old_connections
 
 from controlplane.accounts.authentication import principal_from_header
 from controlplane.accounts.models import KeyRejected
@@ -27,6 +26,7 @@ from controlplane.billing.pricing import max_cost
 from controlplane.catalog.models import ServedModel
 from controlplane.catalog.registry import live_nodes
 from controlplane.gateway.errors import ApiError
+from controlplane.gateway.group_commit import write_job
 from controlplane.gateway.ratelimiting import take_rate_limit
 from controlplane.gateway.routing import Route, choose_route
 from controlplane.gateway.tokenization import prompt_token_ids, tokenizer_for
@@ -198,8 +198,9 @@ def submit_prepared(
 ) -> Job:
     """The queued Job (and its `job.queued` event) for a prepared request, with its maximum cost
     reserved in the budgets that limit it (billing/budgets.py); ApiError 402 `budget_exceeded`
-    when it does not fit, and then nothing is written."""
-    job_fields = dict(
+    when it does not fit, and then nothing is written. Written with the process's other
+    admissions of the moment (group_commit.py)."""
+    job = Job(
         org=principal.org,
         api_key=principal.api_key,
         model=prepared.model.id,
@@ -211,23 +212,16 @@ def submit_prepared(
         deadline_at=datetime.fromtimestamp(deadline, tz=UTC),
         **fields,
     )
-    if not budgets.limited_scopes(principal.org, principal.api_key):
-        return Job.objects.submit(**job_fields)
-    price = prepared.model.current_price()
-    cost = max_cost(
-        price,
-        len(prepared.prompt_token_ids),
-        prepared.sampling["max_tokens"],
-        Job.discount_percent(price, mode),
-    )
-    with transaction.atomic():
-        try:
-            reservation = budgets.reserve(principal.org, principal.api_key, cost, timezone.now())
-        except budgets.BudgetExceeded as exceeded:
-            raise ApiError(402, str(exceeded), code="budget_exceeded") from None
-        return Job.objects.submit(
-            **job_fields, reserved_cost=reservation.cost, budget_scopes=reservation.scopes
+    cost = None
+    if budgets.limited_scopes(principal.org, principal.api_key):
+        price = prepared.model.current_price()
+        cost = max_cost(
+            price,
+            len(prepared.prompt_token_ids),
+            prepared.sampling["max_tokens"],
+            Job.discount_percent(price, mode),
         )
+    return write_job(job, cost)
 
 
 def enqueue_job(job: Job, route: Route, reply_channel: str | None, deadline: float) -> None:

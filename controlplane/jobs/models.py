@@ -35,14 +35,15 @@ def new_request_id() -> str:
 
 
 class JobManager(models.Manager["Job"]):
-    def submit(self, **fields: Any) -> Job:
-        """Create a queued job and its `job.queued` event together."""
+    def submit_all(self, jobs: list[Job]) -> list[Job]:
+        """Insert queued jobs and their `job.queued` events together: one INSERT each (inside
+        admission's transaction, which may hold several concurrent admissions' jobs)."""
         from controlplane.jobs.serializers import job_object
 
-        with transaction.atomic(savepoint=False):  # within admission's, when it reserves budget
-            job = self.create(**fields)
-            Event.objects.emit(job.org, "job.queued", job_object(job))
-        return job
+        with transaction.atomic(savepoint=False):
+            jobs = self.bulk_create(jobs)
+            Event.objects.emit_all([(job.org, "job.queued", job_object(job)) for job in jobs])
+        return jobs
 
     def record_started(self, payload: dict[str, Any]) -> bool:
         """A node took the job's request: queued → running (one event however often), and one

@@ -7,6 +7,7 @@ import pytest
 from controlplane.accounts.management.commands.demo import DEMO_PRICES
 from controlplane.accounts.models import ApiKey, Org
 from controlplane.catalog.models import Price, ServedModel
+from controlplane.gateway.group_commit import stop_writer
 
 
 def priced_model(model_id: str, source: str, context_length: int) -> ServedModel:
@@ -14,6 +15,15 @@ def priced_model(model_id: str, source: str, context_length: int) -> ServedModel
     model = ServedModel.objects.create(id=model_id, source=source, context_length=context_length)
     Price.objects.create(model=model, **DEMO_PRICES)
     return model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def job_writer_stops(django_db_setup, django_db_blocker):
+    """Admission's writer thread (gateway/group_commit.py) holds a connection to the test
+    database; it ends before the database is dropped."""
+    yield
+    with django_db_blocker.unblock():
+        stop_writer()
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 def make_job(org, **fields) -> Job:
-    return Job.objects.submit(
+    job = Job(
         org=org,
         model=MODEL,
         mode=Job.ASYNC,
@@ -29,6 +29,8 @@ def make_job(org, **fields) -> Job:
         deadline_at=timezone.now() + timedelta(hours=1),
         **fields,
     )
+    [job] = Job.objects.submit_all([job])
+    return job
 
 
 def result_for(job: Job, finish_reason: str = "stop", completion: int = 5) -> dict:

@@ -40,10 +40,11 @@ class ProductionStack:
         }
         self.processes: dict[str, subprocess.Popen] = {}
 
-    def _spawn(self, name: str, argv: list[str], **env: str) -> subprocess.Popen:
+    def _spawn(self, name: str, argv: list[str], nice: int = 0, **env: str) -> subprocess.Popen:
+        """Start a process logging to `<name>.log`; `nice` > 0 lowers its CPU priority."""
         log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
         process = subprocess.Popen(
-            argv,
+            ["nice", "-n", str(nice), *argv] if nice else argv,
             cwd=ROOT,
             env={**self.env, **env},
             stdout=log,
@@ -72,7 +73,7 @@ class ProductionStack:
             ],
         )
 
-    def start_worker(self) -> None:
+    def start_worker(self, nice: int = 0) -> None:
         self._spawn(
             "worker",
             [
@@ -86,6 +87,7 @@ class ProductionStack:
                 "--threads",
                 "4",
             ],
+            nice=nice,
         )
 
     def start_sweeper(self, every_s: float = 1.0, grace_s: float = 3.0) -> None:
@@ -103,7 +105,9 @@ class ProductionStack:
             ],
         )
 
-    def start_node(self, model: str, node_id: str, *extra: str, threads: int | None = None) -> None:
+    def start_node(
+        self, model: str, node_id: str, *extra: str, threads: int | None = None, nice: int = 0
+    ) -> None:
         """A node process; `threads` caps its torch/OpenMP threads (default: torch's choice)."""
         env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
         self._spawn(
@@ -122,6 +126,7 @@ class ProductionStack:
                 "16",
                 *extra,
             ],
+            nice=nice,
             **env,
         )
 

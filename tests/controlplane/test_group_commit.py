@@ -1,0 +1,96 @@
+"""Group commit (controlplane/gateway/group_commit.py): concurrent admissions share their
+transactions, and each caller is told what it would be told alone."""
+
+from __future__ import annotations
+
+import json
+import threading
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.db import IntegrityError, connection
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from controlplane.billing.budgets import SpendCounter
+from controlplane.events.models import Event
+from controlplane.gateway.admission import admit
+from controlplane.gateway.errors import ApiError
+from controlplane.gateway.group_commit import PendingJob, write_group
+from controlplane.jobs.models import Job
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def pending(org, model, cost: Decimal | None = None, **fields) -> PendingJob:
+    job = Job(
+        org=org,
+        model=model.id,
+        mode=Job.ASYNC,
+        request={"model": model.id, "prompt": "hi"},
+        prompt_token_ids=[3, 4, 5],
+        sampling={"temperature": 0.0, "max_tokens": 4},
+        deadline_at=timezone.now() + timedelta(hours=1),
+        **fields,
+    )
+    return PendingJob(job, cost)
+
+
+def inserts_into(queries, table: str) -> int:
+    return sum(q["sql"].startswith(f'INSERT INTO "{table}"') for q in queries.captured_queries)
+
+
+def test_a_group_is_one_transaction_and_a_refusal_fails_only_its_job(org_a, tiny):
+    org_a.monthly_budget_usd = Decimal("1")
+    org_a.save()
+    group = [pending(org_a, tiny, Decimal(c)) for c in ("0.4", "0.7", "0.5")]
+    with CaptureQueriesContext(connection) as queries:
+        write_group(group)
+    first, refused, last = group
+    assert first.error is None and last.error is None
+    assert isinstance(refused.error, ApiError) and refused.error.status == 402
+    assert refused.error.code == "budget_exceeded"
+    written = set(Job.objects.values_list("id", flat=True))
+    assert written == {first.job.id, last.job.id}
+    assert sorted(e.data["id"] for e in Event.objects.filter(type="job.queued")) == sorted(written)
+    assert SpendCounter.objects.get(org=org_a, scope="org").reserved == Decimal("0.9")
+    # Both jobs in one INSERT, both events in another, one commit.
+    assert inserts_into(queries, "jobs_job") == 1
+    assert inserts_into(queries, "events_event") == 1
+    assert sum(q["sql"] == "COMMIT" for q in queries.captured_queries) == 1
+
+
+def test_a_group_that_fails_is_written_one_job_at_a_time(org_a, tiny):
+    [existing] = Job.objects.submit_all([pending(org_a, tiny).job])
+    group = [pending(org_a, tiny), pending(org_a, tiny, request_id=existing.request_id)]
+    group.append(pending(org_a, tiny))
+    write_group(group)
+    good, clash, other = group
+    assert isinstance(clash.error, IntegrityError)
+    assert good.error is None and other.error is None
+    assert set(Job.objects.values_list("id", flat=True)) == {existing.id, good.job.id, other.job.id}
+    assert Event.objects.filter(type="job.queued").count() == 3  # none for the clash
+
+
+def test_concurrent_admissions_each_get_their_own_job_and_event(org_a, key_a, tiny):
+    body = json.dumps({"model": tiny.id, "prompt": "review", "max_tokens": 4, "queue": True})
+    jobs, errors = [], []
+
+    def one() -> None:
+        try:
+            jobs.append(admit(f"Bearer {key_a}", body.encode(), Job.TEXT, None, None).job)
+        except Exception as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=one) for _ in range(24)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert len({job.id for job in jobs}) == 24
+    assert set(Job.objects.values_list("id", flat=True)) == {job.id for job in jobs}
+    events = list(Event.objects.filter(type="job.queued").order_by("sequence"))
+    assert sorted(e.data["id"] for e in events) == sorted(job.id for job in jobs)
+    assert all(job.created is not None and job.status == Job.QUEUED for job in jobs)
