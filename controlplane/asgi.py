@@ -72,16 +72,40 @@ async def http_application(scope, receive, send):
 
 API_PREFIXES = ("/v1/", "/healthz")
 
+from asgiref.sync import sync_to_async  # noqa: E402
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.urls import path  # noqa: E402
 
 from controlplane.events.consumers import EventsConsumer  # noqa: E402
+from controlplane.gateway.tokenization import load_catalog_tokenizers  # noqa: E402
+
+
+async def lifespan_application(scope, receive, send):
+    """ASGI lifespan: at start-up, before the port serves, load the catalog's tokenizers, so a
+    new gateway process's first requests do not pay for them (uvicorn's `--lifespan auto`)."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await sync_to_async(_load_tokenizers, thread_sensitive=False)()
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+def _load_tokenizers() -> None:
+    try:
+        load_catalog_tokenizers()
+    finally:
+        close_old_connections()
+
 
 application = ProtocolTypeRouter(
     {
         "http": http_application,
+        "lifespan": lifespan_application,
         "websocket": AllowedHostsOriginValidator(
             AuthMiddlewareStack(URLRouter([path("ws/events", EventsConsumer.as_asgi())]))
         ),

@@ -6,10 +6,12 @@ capacity), so a client that missed one reads the rows back; the push only saves 
 
 from __future__ import annotations
 
+import json
 import secrets
 from typing import Any
 
 from django.db import connection, models, transaction
+from django.utils import timezone
 
 from controlplane.events.push import push_to_org
 
@@ -52,21 +54,70 @@ class EventManager(models.Manager["Event"]):
         [event] = self.emit_all([(org, type, data)])
         return event
 
-    def emit_all(self, events: list[tuple[Any, str, dict[str, Any]]]) -> list[Event]:
-        """`emit` for several `(org, type, data)` at once (admission's group commit): each org's
-        lock once, in org order, and one INSERT for all the rows, in the order given."""
-        orgs = {org.pk: org for org, _, _ in events}
-        with transaction.atomic(savepoint=False):
-            webhooks = {org_pk: _lock_org_events(org_pk) for org_pk in sorted(orgs)}
-            rows = self.bulk_create(
-                [
-                    Event(org=org, type=type, data=data, fan_out_pending=webhooks[org.pk])
-                    for org, type, data in events
-                ]
-            )
+    def emit_all(
+        self,
+        events: list[tuple[Any, str, dict[str, Any]]],
+        first: tuple[str, list[Any]] | None = None,
+    ) -> list[Event]:
+        """`emit` for several `(org, type, data)` at once: each org's lock once, in org order,
+        and one INSERT for all the rows, in the order given. `first`, a statement and its
+        parameters, runs before them in the same transaction (the jobs these events announce).
+
+        On PostgreSQL it is all one round trip (the statements sent together; outside a
+        transaction they are one of their own), so the org's lock is held from the INSERT to
+        the commit without a round trip to the client in between; whether the org has webhook
+        endpoints is read in the INSERT."""
+        now = timezone.now()
+        rows = [Event(org=org, type=type, data=data, created=now) for org, type, data in events]
+        if connection.vendor == "postgresql":
+            _insert_in_one_round_trip(rows, first)
+        else:
+            with transaction.atomic(savepoint=False):
+                with connection.cursor() as cursor:
+                    if first is not None:
+                        cursor.execute(*first)
+                webhooks = {org: _lock_org_events(org) for org in sorted({e.org_id for e in rows})}
+                for row in rows:
+                    row.fan_out_pending = webhooks[row.org_id]
+                self.bulk_create(rows)
         for event in rows:
             _announce_on_commit(event)
         return rows
+
+
+def _insert_in_one_round_trip(rows: list[Event], first: tuple[str, list[Any]] | None) -> None:
+    """PostgreSQL: `first`, each org's event lock, the events' INSERT … RETURNING, sent as one
+    query; the rows get their sequences and `fan_out_pending`."""
+    endpoints = WebhookEndpoint._meta.db_table
+    statements = [first] if first is not None else []
+    for org_pk in sorted({row.org_id for row in rows}):
+        statements.append(("SELECT pg_advisory_xact_lock(%s, %s)", [EMIT_LOCK_NAMESPACE, org_pk]))
+    row_sql = (
+        f"(%s, %s, %s, %s::jsonb, %s, EXISTS (SELECT 1 FROM {endpoints} "
+        "WHERE org_id = %s AND enabled))"
+    )
+    params: list[Any] = []
+    for row in rows:
+        params += [row.id, row.org_id, row.type, json.dumps(row.data), row.created, row.org_id]
+    statements.append(
+        (
+            f"INSERT INTO {Event._meta.db_table} (id, org_id, type, data, created, "
+            f"fan_out_pending) VALUES {', '.join([row_sql] * len(rows))} "
+            "RETURNING sequence, fan_out_pending",
+            params,
+        )
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(
+            ";\n".join(sql for sql, _ in statements),
+            [value for _, values in statements for value in values],
+        )
+        while cursor.nextset():  # to the last statement's result: the INSERT's
+            pass
+        returned = cursor.fetchall()
+    for row, (sequence, fan_out_pending) in zip(rows, returned, strict=True):
+        row.sequence, row.fan_out_pending = sequence, fan_out_pending
+        row._state.adding, row._state.db = False, connection.alias
 
 
 def _announce_on_commit(event: Event) -> None:

@@ -3,14 +3,18 @@ the gateway's counts and the node's agree token for token."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from functools import lru_cache
+
+from django.db import DatabaseError
 
 from controlplane.gateway.errors import ApiError
 from inference.engine.tokenizer import Tokenizer
 from inference.errors import ModelLoadError
 from inference.models.loader import resolve_model_directory
 
+logger = logging.getLogger(__name__)
 _load_lock = threading.Lock()
 
 
@@ -26,6 +30,25 @@ def tokenizer_for(source: str) -> Tokenizer:
             return _tokenizer(source)
         except ModelLoadError as error:
             raise ApiError(503, f"The model's tokenizer is unavailable: {error}") from error
+
+
+def load_catalog_tokenizers() -> None:
+    """Load the tokenizer of every enabled catalog model now (a gateway's start-up), so that the
+    first request of each model does not pay for it: a few seconds of CPU, most of it importing
+    transformers' tokenizer code. Best effort: a model whose tokenizer cannot load, or a
+    database not there yet, is left to the first request, which answers as it always did."""
+    from controlplane.catalog.models import ServedModel
+
+    try:
+        sources = list(ServedModel.objects.filter(enabled=True).values_list("source", flat=True))
+    except DatabaseError as error:
+        logger.warning("tokenizers not loaded at start-up: %s", error)
+        return
+    for source in sources:
+        try:
+            tokenizer_for(source)
+        except ApiError as error:
+            logger.warning("tokenizer of %s not loaded at start-up: %s", source, error.message)
 
 
 def prompt_token_ids(tokenizer: Tokenizer, messages: list[dict] | None, prompt) -> list[int]:

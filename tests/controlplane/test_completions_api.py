@@ -143,3 +143,16 @@ def test_a_queued_job_keeps_the_deadline_it_asked_for(post, tiny, key_a):
     job = Job.objects.get(id=response.json()["id"])
     remaining = (job.deadline_at - job.created).total_seconds()
     assert 119 <= remaining <= 121 and response.json()["deadline_at"] is not None
+
+
+def test_start_up_loads_the_catalogs_tokenizers_and_skips_a_broken_one(tiny):
+    from controlplane.catalog.models import ServedModel
+    from controlplane.gateway import tokenization
+
+    ServedModel.objects.create(id="gone", source="/nonexistent/weights", context_length=64)
+    ServedModel.objects.create(id="off", source="/also/missing", context_length=64, enabled=False)
+    tokenization._tokenizer.cache_clear()
+    tokenization.load_catalog_tokenizers()
+    # tiny's tokenizer is loaded; the broken model was tried and left to its first request.
+    assert tokenization._tokenizer.cache_info().currsize == 1
+    assert tokenization._tokenizer.cache_info().misses == 2

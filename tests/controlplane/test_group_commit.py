@@ -37,10 +37,6 @@ def pending(org, model, cost: Decimal | None = None, **fields) -> PendingJob:
     return PendingJob(job, cost)
 
 
-def inserts_into(queries, table: str) -> int:
-    return sum(q["sql"].startswith(f'INSERT INTO "{table}"') for q in queries.captured_queries)
-
-
 def test_a_group_is_one_transaction_and_a_refusal_fails_only_its_job(org_a, tiny):
     org_a.monthly_budget_usd = Decimal("1")
     org_a.save()
@@ -55,10 +51,22 @@ def test_a_group_is_one_transaction_and_a_refusal_fails_only_its_job(org_a, tiny
     assert written == {first.job.id, last.job.id}
     assert sorted(e.data["id"] for e in Event.objects.filter(type="job.queued")) == sorted(written)
     assert SpendCounter.objects.get(org=org_a, scope="org").reserved == Decimal("0.9")
-    # Both jobs in one INSERT, both events in another, one commit.
-    assert inserts_into(queries, "jobs_job") == 1
-    assert inserts_into(queries, "events_event") == 1
+    # Both jobs in one INSERT, sent with the org's event lock and the events' INSERT as one
+    # query, after the reservations; one commit.
+    [insert] = [q["sql"] for q in queries.captured_queries if 'INSERT INTO "jobs_job"' in q["sql"]]
+    assert insert.count("INSERT INTO") == 2 and "INSERT INTO events_event" in insert
+    assert "pg_advisory_xact_lock" in insert
     assert sum(q["sql"] == "COMMIT" for q in queries.captured_queries) == 1
+
+
+def test_a_group_without_budgets_is_one_query(org_a, tiny):
+    group = [pending(org_a, tiny) for _ in range(3)]
+    with CaptureQueriesContext(connection) as queries:
+        write_group(group)
+    assert [q["sql"].split(" ", 2)[:2] for q in queries.captured_queries] == [["INSERT", "INTO"]]
+    events = Event.objects.filter(type="job.queued").order_by("sequence")
+    assert [e.data["id"] for e in events] == [item.job.id for item in group]
+    assert [e.sequence for e in events] == sorted(e.sequence for e in events)
 
 
 def test_a_group_that_fails_is_written_one_job_at_a_time(org_a, tiny):
