@@ -13,7 +13,8 @@ clients and waits until every job is settled. It reports:
   rows beyond one per request.
 
 It also reports the gateway's CPU milliseconds per accepted job during the submission phase
-(the uvicorn processes' user + system time), steadier than a rate on a shared machine. The
+(the uvicorn processes' user + system time), steadier than a rate on a shared machine, and the
+worker's and the node's from the start of the submissions until every job settled. The
 baseline is the same run on a second fresh stack with group commit off (HEARTH_GROUP_COMMIT=0:
 each admission writes its own transaction), measured first.
 
@@ -170,7 +171,12 @@ def run(args, group_commit: bool) -> dict:
             f"{share * args.clients} jobs from {args.clients} clients"
         )
         gateway = [stack.processes["gateway"].pid]
+        others = {
+            "worker": [stack.processes["worker"].pid],
+            "node": [stack.processes["node-bench-node"].pid],
+        }
         cpu_before = cpu_seconds(gateway)
+        others_before = {name: cpu_seconds(pids) for name, pids in others.items()}
         start = time.perf_counter()
         for thread in threads:
             thread.start()
@@ -180,6 +186,9 @@ def run(args, group_commit: bool) -> dict:
         gateway_cpu_s = cpu_seconds(gateway) - cpu_before
         log("waiting for every job to settle")
         settle(accepted, args.settle_timeout)
+        others_cpu_s = {
+            name: cpu_seconds(pids) - others_before[name] for name, pids in others.items()
+        }
         figures = measure(accepted)
     except Exception:
         log(stack.outputs())
@@ -194,6 +203,10 @@ def run(args, group_commit: bool) -> dict:
         "accepted": len(accepted),
         "submit_per_s": round(len(accepted) / submit_s, 1),
         "gateway_cpu_ms_per_job": round(gateway_cpu_s * 1000 / max(1, len(accepted)), 2),
+        **{
+            f"{name}_cpu_ms_per_job": round(cpu_s * 1000 / max(1, len(accepted)), 2)
+            for name, cpu_s in others_cpu_s.items()
+        },
         **figures,
     }
 
@@ -231,6 +244,8 @@ def main() -> int:
     rows = [
         ("submit_per_s", "submit_per_s", ">= 300"),
         ("gateway CPU ms/job", "gateway_cpu_ms_per_job", ""),
+        ("worker CPU ms/job", "worker_cpu_ms_per_job", ""),
+        ("node CPU ms/job", "node_cpu_ms_per_job", ""),
         ("complete_p50_s", "complete_p50_s", ""),
         ("complete_p99_s", "complete_p99_s", ""),
         ("lost", "lost", "0"),

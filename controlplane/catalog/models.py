@@ -55,7 +55,12 @@ class ServedModel(models.Model):
 
     def current_price(self, at=None) -> Price | None:
         """The price in effect at `at` (now by default)."""
-        return self.prices.filter(effective_from__lte=at or timezone.now()).first()
+        return price_in_effect(self.pk, at)
+
+
+def price_in_effect(model_id: str, at=None) -> Price | None:
+    """The price of catalog model `model_id` in effect at `at` (now by default): one query."""
+    return Price.objects.filter(model_id=model_id, effective_from__lte=at or timezone.now()).first()
 
 
 class Price(models.Model):

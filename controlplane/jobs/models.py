@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from controlplane.billing import budgets
 from controlplane.billing.models import UsageRecord
-from controlplane.catalog.models import ServedModel
+from controlplane.catalog.models import price_in_effect
 from controlplane.events.models import Event
 from inference.node.protocol import ABORT_ACTOR, control_queue
 
@@ -33,6 +33,24 @@ def new_job_id() -> str:
 
 def new_request_id() -> str:
     return f"req_{secrets.token_hex(12)}"
+
+
+# What settling a job from its node's result changes (besides `error` or `result`): a full save
+# would send the request and its prompt's token ids back to the database with every result.
+SETTLED_FIELDS = ["status", "node", "started_at", "finished_at"]
+
+
+def _from_db(fields, row) -> list[Any]:
+    """A raw row's values as the ORM would load them (JSON parsed, and so on)."""
+    values = []
+    for field, value in zip(fields, row, strict=True):
+        column = field.get_col(field.model._meta.db_table)
+        for convert in connection.ops.get_db_converters(column) + column.get_db_converters(
+            connection
+        ):
+            value = convert(value, column, connection)
+        values.append(value)
+    return values
 
 
 class JobManager(models.Manager["Job"]):
@@ -60,16 +78,51 @@ class JobManager(models.Manager["Job"]):
         more attempt counted. A job already settled (cancelled or expired while it waited), or
         started more than JOB_MAX_ATTEMPTS times (its request keeps killing nodes), is stopped on
         that node instead; past the attempts it is failed."""
-        job = self.select_related("org").filter(request_id=payload["request_id"]).first()
-        if job is None:
-            return False
         node = payload.get("node") or ""
-        started = job.start(node=node, attempt=payload.get("attempt"))
+        with transaction.atomic():
+            job = self._claim_queued(payload["request_id"], node)
+            if job is not None:
+                job.emit("job.running")
+        started = job is not None
+        if job is None:  # not queued: a late or repeated notice, or a redelivery after a crash
+            job = self.select_related("org").filter(request_id=payload["request_id"]).first()
+            if job is None:
+                return False
+            started = job.start(node=node, attempt=payload.get("attempt"))
         if job.attempts > settings.JOB_MAX_ATTEMPTS:
             job.fail(f"the request was started {job.attempts - 1} times and never finished")
         if job.status in Job.TERMINAL:
             job.abort_on(node)
         return started
+
+    def _claim_queued(self, request_id: str, node: str) -> Job | None:
+        """The common start, queued → running on `node` with one more attempt, as one statement
+        that returns the job and its org (what `Job.start` does in a SELECT, an UPDATE and a
+        refresh); None when the job is not queued (or unknown), and on SQLite, which has no
+        UPDATE in a WITH: there `Job.start` does it."""
+        from controlplane.accounts.models import Org
+
+        if connection.vendor != "postgresql":
+            return None
+        job_fields, org_fields = Job._meta.concrete_fields, Org._meta.concrete_fields
+        columns = [f'claimed."{f.column}"' for f in job_fields]
+        columns += [f'o."{f.column}"' for f in org_fields]
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"WITH claimed AS (UPDATE {Job._meta.db_table} SET status = %s, started_at = %s, "
+                "node = %s, attempts = attempts + 1 WHERE request_id = %s AND status = %s "
+                f"RETURNING *) SELECT {', '.join(columns)} FROM claimed "
+                f"JOIN {Org._meta.db_table} o ON o.id = claimed.org_id",
+                [Job.RUNNING, timezone.now(), node, request_id, Job.QUEUED],
+            )
+            row = cursor.fetchone()
+        if row is None:
+            return None
+        job_values = _from_db(job_fields, row[: len(job_fields)])
+        org_values = _from_db(org_fields, row[len(job_fields) :])
+        job = Job.from_db(connection.alias, [f.attname for f in job_fields], job_values)
+        job.org = Org.from_db(connection.alias, [f.attname for f in org_fields], org_values)
+        return job
 
     def expire_overdue(self, org=None, limit: int = 500) -> int:
         """Queued jobs past their deadline → expired, each once with its event; returns how
@@ -114,12 +167,12 @@ class JobManager(models.Manager["Job"]):
             if payload.get("error"):
                 job.status = Job.EXPIRED if payload.get("error_code") == "expired" else Job.FAILED
                 job.error = payload["error"]
-                job.save()
+                job.save(update_fields=[*SETTLED_FIELDS, "error"])
                 budgets.settle(job, Decimal(0))
                 job.emit(f"job.{job.status}")
                 return True
             usage = payload["usage"]
-            price = ServedModel.objects.get(id=job.model).current_price(job.created)
+            price = price_in_effect(job.model, job.created)
             record = UsageRecord.objects.record(
                 request_id=job.request_id,
                 org=job.org,
@@ -146,7 +199,7 @@ class JobManager(models.Manager["Job"]):
                 "cost": record.cost_object(),
                 "timings": payload.get("timings") or {},
             }
-            job.save()
+            job.save(update_fields=[*SETTLED_FIELDS, "result"])
             budgets.settle(job, record.total_cost)
             job.emit(f"job.{job.status}")
             return True

@@ -209,3 +209,20 @@ def test_a_second_notice_of_the_same_start_counts_no_attempt(org_a, smollm2):
     job.refresh_from_db()
     assert (job.attempts, job.node) == (2, "node-2")
     assert event_types(job) == ["job.queued", "job.running"]
+
+
+def test_a_start_announces_the_job_as_it_is_stored(org_a, smollm2):
+    """The start is one statement returning the row (PostgreSQL): the `job.running` event must
+    carry exactly what reading the job back gives, JSON fields and times included."""
+    from controlplane.jobs.serializers import job_object
+
+    job = make_job(org_a)
+    assert Job.objects.record_started({"request_id": job.request_id, "node": "node-7"})
+    job.refresh_from_db()
+    [running] = Event.objects.filter(org=org_a, type="job.running")
+    assert running.data == job_object(job)
+    assert (running.data["status"], running.data["node"], running.data["attempts"]) == (
+        Job.RUNNING,
+        "node-7",
+        1,
+    )
