@@ -40,7 +40,12 @@ def broker():
 
 @pytest.fixture
 def channel_layer():
-    return RedisChannelLayer(hosts=[REDIS_URL], prefix=f"hearth-test-{uuid.uuid4().hex[:8]}")
+    """A layer like production's (settings.CHANNEL_LAYERS): a channel holds up to 10,000
+    messages. (At channels_redis's default of 100, the order test's 200 deltas overflowed the
+    channel whenever the publisher ran ahead of the reader.)"""
+    return RedisChannelLayer(
+        hosts=[REDIS_URL], prefix=f"hearth-test-{uuid.uuid4().hex[:8]}", capacity=10_000
+    )
 
 
 def make_engine(model_dir, max_num_seqs=4) -> LLMEngine:
