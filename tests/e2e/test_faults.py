@@ -37,6 +37,7 @@ from controlplane.billing.models import UsageRecord
 from controlplane.events.models import Event
 from controlplane.events.webhooks import WebhookDelivery
 from controlplane.jobs.models import Job
+from inference.node.protocol import CONTROLPLANE_QUEUE, RECORD_STARTED_ACTOR
 from tests.e2e.user_path import wait_for
 from tests.webhook_receiver import Receiver
 
@@ -114,6 +115,19 @@ def assert_webhooks_delivered(receiver: Receiver, secret: str, job_ids: list[str
     assert sorted(succeeded.values_list("event__id", flat=True)) == sorted(events)
 
 
+def start_notice_sent(stack) -> bool:
+    """Whether a node has sent a `record_started` notice: the broker holds one (the worker has
+    not yet acked it), or the worker has recorded one."""
+    import redis
+
+    client = redis.Redis.from_url(stack.env["REDIS_URL"])
+    messages = f"{stack.env['HEARTH_BROKER_NAMESPACE']}:{CONTROLPLANE_QUEUE}.msgs"
+    actor = f'"actor_name":"{RECORD_STARTED_ACTOR}"'.encode()
+    return any(actor in body for body in client.hvals(messages)) or (
+        Job.objects.filter(status=Job.RUNNING).exists()
+    )
+
+
 def wait_until_completed(job_ids: list[str]) -> None:
     wait_for(
         lambda: Job.objects.filter(id__in=job_ids, status=Job.COMPLETED).count() == len(job_ids),
@@ -138,14 +152,11 @@ def assert_settled_once(job_ids: list[str]) -> list[Job]:
 
 def test_a_node_killed_mid_generation_loses_nothing(stack, tiny_model, acme_key, receiver):
     stack.env["HEARTH_BROKER_HEARTBEAT_TIMEOUT_MS"] = "3000"
-    # 8 at a time: node-a is still at work when the worker, busy with webhooks too, has recorded
-    # its first start.
+    # 8 at a time, so node-a is at work for a while; it is killed as soon as it has sent its first
+    # start notice (the worker, busy with webhooks too, may record it much later).
     secret, job_ids = start_jobs(stack, tiny_model.id, acme_key, receiver, "--max-num-seqs", "8")
     try:
-        wait_for(
-            lambda: Job.objects.filter(id__in=job_ids, status=Job.RUNNING).exists(),
-            what="a job running on node-a",
-        )
+        wait_for(lambda: start_notice_sent(stack), what="node-a starting a request")
         stack.processes["node-node-a"].send_signal(signal.SIGKILL)
         stack.processes["node-node-a"].wait(timeout=10)
         stack.start_node(tiny_model.id, "node-b", threads=1)
