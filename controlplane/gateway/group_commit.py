@@ -1,13 +1,14 @@
 """Group commit: the concurrent admissions of one gateway process share their transactions.
 
 An admission writes little (a budget reservation when a budget limits it, the Job row, its
-`job.queued` event), but each write is a statement, and each statement, with BEGIN, the org's
-event lock and COMMIT, a round trip to PostgreSQL and a pass through the ORM; at a few hundred
-admissions a second they are most of admission's cost. So the admission threads hand their jobs
-to one writer thread per process, which writes everything handed to it meanwhile in one
-transaction: the reservations, one INSERT of the jobs, each org's event lock once, one INSERT of
-the events, one COMMIT. It never waits for company: it takes whatever queued while it wrote the
-last group, so a quiet gateway writes each job alone, as before, and a busy one in groups.
+`job.queued` event), but each transaction costs round trips to PostgreSQL and passes through the
+ORM; at a few hundred admissions a second they are most of admission's cost. So the admission
+threads hand their jobs to one writer thread per process, which writes everything handed to it
+meanwhile in one transaction: the reservations, then one INSERT of the jobs sent with each org's
+event lock and one INSERT of the events (Job.objects.submit_all: a single round trip when no
+budget is involved). It never waits for company: it takes whatever queued while it wrote the
+last group, so a quiet gateway writes each job alone and a busy one in groups (4-5 jobs under
+bench/job_queue.py's 16 clients).
 
 What a caller is told is what it would be told alone. It returns after its job's commit; a
 reservation that does not fit fails that job alone (402, nothing of it written); and a group
