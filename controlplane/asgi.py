@@ -49,8 +49,8 @@ api_application = ApiHandler()
 # `close_old_connections` itself; the DRF views run, as every sync view under Django's ASGI
 # handler, in that thread of their own request, whose connection ends with it; the API sets no
 # urlconf, uses no cache, and keeps no query log (DEBUG is off in production). Dropping the
-# connection receivers measured about 2 ms a request here (bench/gateway.py), the rest about 1 ms
-# of the gateway's CPU per job (bench/job_queue.py). Console requests, sent by the plain
+# connection receivers measured about 2 ms a request here (bench/gateway.py), the rest 0.4 ms of
+# the gateway's CPU per job (4.85 → 4.48, bench/job_queue.py). Console requests, sent by the plain
 # ASGIHandler, keep Django's behaviour.
 for signal, receiver in (
     (signals.request_started, reset_queries),

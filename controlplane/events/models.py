@@ -68,8 +68,8 @@ class EventManager(models.Manager["Event"]):
             _insert_in_one_round_trip(rows, first)
         else:
             with transaction.atomic(savepoint=False):
-                with connection.cursor() as cursor:
-                    if first is not None:
+                if first is not None:
+                    with connection.cursor() as cursor:
                         cursor.execute(*first)
                 # One writer at a time: SQLite needs no lock to commit in `sequence` order.
                 webhooks = {org: _has_enabled_endpoint(org) for org in {e.org_id for e in rows}}

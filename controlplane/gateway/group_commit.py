@@ -47,6 +47,12 @@ class PendingJob:
     error: BaseException | None = None
     written: threading.Event = field(default_factory=threading.Event)
 
+    def outcome(self) -> Job:
+        """Its job, written; or the error that refused it, raised."""
+        if self.error is not None:
+            raise self.error
+        return self.job
+
 
 def write_jobs(pending: list[PendingJob]) -> None:
     """Write `pending` in one transaction: reserve each budgeted job's cost, in org and key
@@ -55,15 +61,14 @@ def write_jobs(pending: list[PendingJob]) -> None:
     `error` and is not written; any other failure raises, and nothing is written. Without
     reservations the inserts are one statement batch, a transaction of its own on PostgreSQL
     (Job.objects.submit_all): one round trip for the group."""
+    for item in pending:
+        item.error = None  # from an earlier try, when a failed group is written job by job
     if all(item.cost is None for item in pending):
-        for item in pending:
-            item.error = None
         Job.objects.submit_all([item.job for item in pending])
         return
     now = timezone.now()
     with transaction.atomic(savepoint=False):
         for item in sorted(pending, key=lambda p: (p.job.org_id, p.job.api_key_id or 0)):
-            item.error = None
             if item.cost is None:
                 continue
             try:
@@ -114,9 +119,7 @@ class JobWriter:
                 self._thread.start()
         self._queue.put(item)
         item.written.wait()
-        if item.error is not None:
-            raise item.error
-        return item.job
+        return item.outcome()
 
     def stop(self) -> None:
         """End the writer thread, closing its database connection (a test run's database can
@@ -159,9 +162,7 @@ def write_job(job: Job, cost: Decimal | None) -> Job:
     item = PendingJob(job, cost)
     if not settings.ADMISSION_GROUP_COMMIT or transaction.get_connection().in_atomic_block:
         write_jobs([item])
-        if item.error is not None:
-            raise item.error
-        return item.job
+        return item.outcome()
     return _writer.write(item)
 
 

@@ -57,3 +57,14 @@ def page(browser_log):
     """`open_page` for a test's whole run."""
     with open_page(browser_log) as tab:
         yield tab
+
+
+def sign_in(page, base_url: str, path: str, username: str, password: str) -> None:
+    """Open a console page signed out: it sends the browser to the login form; sign in there
+    and land back on `path`."""
+    page.goto(f"{base_url}{path}")
+    assert "/console/login" in page.url
+    page.fill("#id_username", username)
+    page.fill("#id_password", password)
+    page.click("#login-form button[type=submit]")
+    page.wait_for_url(f"{base_url}{path}")

@@ -13,7 +13,7 @@ from django.contrib.auth import get_user_model
 from controlplane.accounts.models import Membership, Org
 from controlplane.billing.models import UsageRecord
 from controlplane.billing.pricing import decimal_string
-from tests.e2e.browser import open_page
+from tests.e2e.browser import open_page, sign_in
 from tests.e2e.stack import ROOT
 from tests.e2e.user_path import wait_for
 
@@ -57,12 +57,7 @@ def test_the_billing_page_shows_the_ledger(stack, tiny_model, acme_key, browser_
 
 def check_page(page, stack, model_id, total, savings, rows, browser_log) -> None:
     try:
-        page.goto(f"{stack.url}/console/billing")
-        assert "/console/login" in page.url
-        page.fill("#id_username", "alice")
-        page.fill("#id_password", "alice-password")
-        page.click("#login-form button[type=submit]")
-        page.wait_for_url(f"{stack.url}/console/billing")
+        sign_in(page, stack.url, "/console/billing", "alice", "alice-password")
 
         text = page.inner_text
         assert text("#total-cost") == f"${decimal_string(total)}"

@@ -9,6 +9,7 @@ import subprocess
 import openai
 import pytest
 
+from tests.e2e.browser import sign_in
 from tests.e2e.stack import ROOT, EmbeddedServer
 from tests.e2e.user_path import get_json
 
@@ -49,13 +50,8 @@ def cell_texts(page, row_selector: str) -> list[str]:
 
 def test_it_shows_a_job_from_the_api_completing_live(server, page, browser_log):
     try:
-        # Signing in lands on the jobs page.
-        page.goto(f"{server.url}/console/keys")
-        assert "/console/login" in page.url
-        page.fill("#id_username", "demo")
-        page.fill("#id_password", "demo-password")
-        page.click("#login-form button[type=submit]")
-        page.wait_for_url(f"{server.url}/console/keys")
+        # Signed out, the console sends the browser to its login form, and back after it.
+        sign_in(page, server.url, "/console/keys", "demo", "demo-password")
 
         # A new key's secret is shown once, then only its prefix.
         page.fill("#id_name", "browser test")
