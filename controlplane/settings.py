@@ -74,6 +74,7 @@ INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "rest_framework",
+    "drf_spectacular",
     "django_dramatiq",
     "controlplane.accounts",
     "controlplane.catalog",
@@ -145,6 +146,22 @@ REST_FRAMEWORK = {
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "EXCEPTION_HANDLER": "controlplane.gateway.errors.openai_exception_handler",
     "UNAUTHENTICATED_USER": None,
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+}
+
+# `GET /openapi.json` (controlplane/openapi): drf-spectacular introspects the DRF views; the hook
+# adds the async views and every operation's bodies and errors. OpenAPI 3.1, as OpenAI's own
+# spec, whose schemas it reuses.
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Hearth",
+    "DESCRIPTION": "A self-hosted, OpenAI-compatible inference platform: OpenAI's API with "
+    "Hearth's extensions (jobs, events, webhooks, usage and billing).",
+    "VERSION": "1",
+    "OAS_VERSION": "3.1.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "POSTPROCESSING_HOOKS": ["controlplane.openapi.hooks.describe_api"],
+    # The DRF views have no serializers to introspect: the hook describes their bodies.
+    "DISABLE_ERRORS_AND_WARNINGS": True,
 }
 
 LOGIN_URL = "/console/login"
@@ -264,6 +281,14 @@ WEBHOOK_RETRY_SCHEDULE_S = [
 ]
 # How often the gateway re-reads the node registry (heartbeats), in seconds.
 NODE_REGISTRY_TTL_S = env_float("HEARTH_NODE_REGISTRY_TTL_S", 0.5)
+# Routing (controlplane/gateway/routing.py): a node whose load (the larger of its sequence slots
+# and its KV blocks in use) is at or above this fraction is busy: sessions leave it and prefix
+# matches on it lose to a less loaded node. How long a session keeps its node after its last
+# request, and how long the gateway remembers where it sent a prompt (until the node's heartbeat
+# shows the prompt's blocks), in seconds.
+ROUTING_MAX_LOAD = env_float("HEARTH_ROUTING_MAX_LOAD", 0.9)
+ROUTING_SESSION_TTL_S = env_float("HEARTH_ROUTING_SESSION_TTL_S", 3600.0)
+ROUTING_PREFIX_TTL_S = env_float("HEARTH_ROUTING_PREFIX_TTL_S", 120.0)
 
 LOGGING = {
     "version": 1,

@@ -120,9 +120,15 @@ def _admit(authorization, body, endpoint, session_affinity, reply_channel) -> Ad
     prepared = prepare_request(parsed, endpoint)
     request = prepared.request
     headers = take_rate_limit(
-        principal.api_key, len(prepared.prompt_token_ids) + prepared.sampling["max_tokens"]
+        principal.api_key, len(prepared.prompt_token_ids) + prepared.max_completion_tokens
     )
-    route = choose_route(prepared.model.id, live_nodes(prepared.model.id), session_affinity)
+    route = choose_route(
+        prepared.model.id,
+        live_nodes(prepared.model.id),
+        session_affinity,
+        prepared.prompt_token_ids,
+        namespace=principal.org.slug,  # the node's cache namespace (Job.generation_message)
+    )
     if request.reject_if_busy and not route.has_room:
         raise ApiError(
             429,
@@ -149,6 +155,7 @@ def _admit(authorization, body, endpoint, session_affinity, reply_channel) -> Ad
         deadline=deadline,
         session_affinity=session_affinity or "",
         queue=route.queue,
+        route=route.decision,
     )
     enqueue_job(job, route, None if request.queue else reply_channel, deadline)
     return Admission(
@@ -170,6 +177,11 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     sampling: dict
 
+    @property
+    def max_completion_tokens(self) -> int:
+        """The most it may generate: max_tokens for each of its n choices."""
+        return self.sampling["max_tokens"] * self.sampling.get("n", 1)
+
 
 def prepare_request(body: Any, endpoint: str) -> PreparedRequest:
     """Validate a parsed body for `endpoint` ("chat.completions" or "completions"), find its
@@ -182,7 +194,16 @@ def prepare_request(body: Any, endpoint: str) -> PreparedRequest:
             404, f"The model '{request.model}' does not exist.", "model", "model_not_found"
         )
     tokenizer = tokenizer_for(model.source)
-    token_ids = prompt_token_ids(tokenizer, request.messages, request.prompt)
+    offered = request.tools if request.tool_choice != "none" else None
+    token_ids = prompt_token_ids(tokenizer, request.messages, request.prompt, offered)
+    bias = request.sampling.get("logit_bias") or {}
+    if any(int(token) >= tokenizer.vocab_size for token in bias):
+        raise ApiError(
+            400,
+            f"'logit_bias' names a token id outside the vocabulary [0, {tokenizer.vocab_size}).",
+            "logit_bias",
+            "invalid_value",
+        )
     max_tokens = _check_context(request, model, len(token_ids))
     sampling = {"temperature": 1.0, **request.sampling, "max_tokens": max_tokens}
     return PreparedRequest(body, request, model, token_ids, sampling)
@@ -218,7 +239,7 @@ def submit_prepared(
         cost = max_cost(
             price,
             len(prepared.prompt_token_ids),
-            prepared.sampling["max_tokens"],
+            prepared.max_completion_tokens,
             Job.discount_percent(price, mode),
         )
     return write_job(job, cost)

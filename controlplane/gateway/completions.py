@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from asgiref.sync import sync_to_async
@@ -30,9 +30,10 @@ from django.views.decorators.csrf import csrf_exempt
 from controlplane.gateway.admission import Admission, admit
 from controlplane.gateway.errors import ApiError
 from controlplane.gateway.idempotency import idempotent
-from controlplane.gateway.responses import completion_response, stream_chunk
+from controlplane.gateway.responses import completion_response, stream_chunk, tool_call_id
 from controlplane.jobs.models import Job
 from controlplane.jobs.serializers import job_object
+from inference.structured.tool_calls import ToolCallStream
 
 # Admissions run in a pool of their own, wider than asyncio's default (cores + 4): an admission
 # spends most of its time waiting (on Redis, and on its group's commit: group_commit.py), and the
@@ -93,6 +94,9 @@ async def _complete(request: HttpRequest, endpoint: str) -> HttpResponse:
         done["text"],
         done["finish_reason"],
         done["usage"],
+        tool_calls=admission.request.tool_choice != "none",
+        logprobs=done.get("logprobs"),
+        choices=done.get("choices"),
     )
     return _with_headers(
         JsonResponse(body), admission, done.get("node"), done["usage"]["cached_tokens"]
@@ -177,6 +181,15 @@ def _with_headers(response, admission: Admission, node: str | None, cached: int 
     return response
 
 
+class _ChoiceStream:
+    """What a stream has relayed of one choice: its text deltas, and its tool calls so far."""
+
+    def __init__(self, reads_tool_calls: bool) -> None:
+        self.calls = ToolCallStream() if reads_tool_calls else None
+        self.made_calls = 0
+        self.sent: list[str] = []
+
+
 def _sse(payload: dict) -> bytes:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
@@ -205,27 +218,69 @@ def _stream(layer, channel: str, deadline: float, admission: Admission, first: d
             if not answered:
                 _abandon(job, first.get("node"))
 
+    choices = [_ChoiceStream(request.tool_choice != "none") for _ in range(request.n)]
+
+    def relayed(index: int, text: str, last: bool = False, logprobs=None) -> Iterator[bytes]:
+        """Chunks for choice `index`'s `text` (and its tokens' `logprobs`): as it is, or read
+        for tool calls when the request offers tools."""
+        choice = choices[index]
+        if choice.calls is None:
+            if text or logprobs:
+                yield chunk(text=text, logprobs=logprobs, index=index)
+            return
+        for event in [*choice.calls.feed(text), *(choice.calls.finish() if last else [])]:
+            if event.call is None:
+                if event.content:
+                    yield chunk(text=event.content, index=index)
+                continue
+            # OpenAI's incremental shape: the call's id and name first, then its arguments.
+            call_id = tool_call_id(job.request_id, choice.made_calls, index)
+            yield chunk(
+                index=index,
+                tool_call={
+                    "index": choice.made_calls,
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": event.call.name, "arguments": ""},
+                },
+            )
+            yield chunk(
+                index=index,
+                tool_call={
+                    "index": choice.made_calls,
+                    "function": {"arguments": event.call.arguments},
+                },
+            )
+            choice.made_calls += 1
+
     async def relay() -> AsyncIterator[bytes]:
         message = first
-        sent = []
         if job.endpoint == Job.CHAT:
-            yield chunk(text="", first=True)
+            for index in range(request.n):
+                yield chunk(text="", first=True, index=index)
         while message["type"] == "delta":
-            if message["text"]:
-                sent.append(message["text"])
-                yield chunk(text=message["text"])
+            index = message.get("index", 0)
+            if message["text"] or message.get("logprobs"):
+                choices[index].sent.append(message["text"])
+                for part in relayed(index, message["text"], logprobs=message.get("logprobs")):
+                    yield part
             message = await _receive(layer, channel, deadline, job)
-        # The full text beyond the deltas relayed so far: non-empty only when the last deltas
-        # were lost and the answer came from `done` or the job's row. (A lost delta in the middle
-        # cannot be repaired in a stream already sent; the job keeps the full text.)
-        relayed = "".join(sent)
-        missing = message["text"][len(relayed) :] if message["text"].startswith(relayed) else ""
-        if missing:
-            yield chunk(text=missing)
-        yield chunk(
-            text=None if job.endpoint == Job.CHAT else "",
-            engine_finish_reason=message["finish_reason"],
-        )
+        finals = message.get("choices") or [message]
+        for index, final in enumerate(finals):
+            # The full text beyond the deltas relayed so far: non-empty only when the last
+            # deltas were lost and the answer came from `done` or the job's row. (A lost delta
+            # in the middle cannot be repaired in a stream already sent; the job keeps it all.)
+            sent_text = "".join(choices[index].sent)
+            text = final["text"]
+            missing = text[len(sent_text) :] if text.startswith(sent_text) else ""
+            for part in relayed(index, missing, last=True):
+                yield part
+            yield chunk(
+                text=None if job.endpoint == Job.CHAT else "",
+                engine_finish_reason=final["finish_reason"],
+                reason="tool_calls" if choices[index].made_calls else None,
+                index=index,
+            )
         if request.include_usage:
             yield chunk(usage=message["usage"])
         yield b"data: [DONE]\n\n"

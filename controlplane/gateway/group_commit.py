@@ -13,8 +13,9 @@ bench/job_queue.py's 16 clients).
 What a caller is told is what it would be told alone. It returns after its job's commit; a
 reservation that does not fit fails that job alone (402, nothing of it written); and a group
 whose transaction fails is written again one job at a time, so a bad row, or a deadlock with
-another process, fails no neighbour. Admissions already inside a transaction (a batch writes its
-lines with the batch) write inline, in it.
+another process, fails no neighbour; a job that PostgreSQL aborts as a deadlock's victim is
+written again (a few times) rather than answered with a 500. Admissions already inside a
+transaction (a batch writes its lines with the batch) write inline, in it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 
 from django.conf import settings
-from django.db import close_old_connections, connections, transaction
+from django.db import DatabaseError, close_old_connections, connections, transaction
 from django.utils import timezone
 
 from controlplane.billing import budgets
@@ -80,24 +81,40 @@ def write_jobs(pending: list[PendingJob]) -> None:
         Job.objects.submit_all([item.job for item in pending if item.error is None])
 
 
+# PostgreSQL's answers that say "try again": it broke a deadlock by aborting this transaction,
+# or could not serialise it. Nothing of the transaction was written.
+TRANSIENT_SQLSTATES = {"40P01", "40001"}
+TRANSIENT_RETRIES = 3
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether `error` is a database failure that the same transaction may not meet again."""
+    cause = error.__cause__ if isinstance(error, DatabaseError) else None
+    return getattr(cause, "sqlstate", None) in TRANSIENT_SQLSTATES
+
+
 def write_group(group: list[PendingJob]) -> None:
     """Write a group in one transaction; should that fail, each of its jobs alone, so that a
-    failure stays with the job that caused it (in that job's `error`)."""
-    try:
-        write_jobs(group)
-        return
-    except Exception as error:
-        close_old_connections()  # a broken connection is replaced before the retries
-        if len(group) == 1:
-            group[0].error = error
-            return
-        logger.warning("a group of %d jobs failed (%s); writing each alone", len(group), error)
-    for item in group:
+    failure stays with the job that caused it (in that job's `error`). A job alone is written
+    again, up to TRANSIENT_RETRIES times, when PostgreSQL aborted it as a deadlock's victim."""
+    if len(group) > 1:
         try:
-            write_jobs([item])
+            write_jobs(group)
+            return
         except Exception as error:
-            close_old_connections()
-            item.error = error
+            close_old_connections()  # a broken connection is replaced before the retries
+            logger.warning("a group of %d jobs failed (%s); writing each alone", len(group), error)
+    for item in group:
+        for attempt in range(TRANSIENT_RETRIES + 1):
+            try:
+                write_jobs([item])
+                break
+            except Exception as error:
+                close_old_connections()
+                item.error = error
+                if attempt == TRANSIENT_RETRIES or not is_transient(error):
+                    break
+                logger.warning("job write aborted (%s); writing it again", error)
 
 
 class JobWriter:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from inference.structured.tool_calls import ToolCall, parse_tool_calls
+
 # The engine's reasons beyond OpenAI's `stop` and `length`: a request cut short by its deadline
 # or an abort stopped early without choosing to, which OpenAI's enum calls `length` too.
 _FINISH_REASONS = {"stop": "stop", "length": "length", "deadline": "length", "abort": "length"}
@@ -36,6 +38,42 @@ def usage_object(usage: dict[str, int]) -> dict[str, Any]:
     }
 
 
+def parses_tool_calls(body: dict[str, Any]) -> bool:
+    """Whether a request's output is read for tool calls: it offers tools, and does not say
+    `tool_choice: "none"`."""
+    return bool(body.get("tools")) and body.get("tool_choice") != "none"
+
+
+def tool_call_id(request_id: str, index: int, choice: int = 0) -> str:
+    """The id of a request's index-th call (in its `choice`-th choice): the same in its
+    response, its stream and its job."""
+    base = f"call_{request_id.removeprefix('req_')}"
+    return f"{base}_{index}" if choice == 0 else f"{base}_c{choice}_{index}"
+
+
+def openai_tool_calls(request_id: str, calls: list[ToolCall], choice: int = 0) -> list[dict]:
+    return [call.as_openai(tool_call_id(request_id, i, choice)) for i, call in enumerate(calls)]
+
+
+def logprobs_object(endpoint: str, entries: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """A choice's `logprobs`: chat's `{content, refusal}`, or the legacy completions shape
+    (`tokens`, `token_logprobs`, `top_logprobs` as {token: logprob}, `text_offset`)."""
+    if entries is None:
+        return None
+    if endpoint == "chat.completions":
+        return {"content": entries, "refusal": None}
+    offsets, position = [], 0
+    for entry in entries:
+        offsets.append(position)
+        position += len(entry["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }
+
+
 def response_id(endpoint: str, request_id: str) -> str:
     prefix = "chatcmpl" if endpoint == "chat.completions" else "cmpl"
     return f"{prefix}-{request_id.removeprefix('req_')}"
@@ -49,28 +87,48 @@ def completion_response(
     text: str,
     engine_finish_reason: str | None,
     usage: dict[str, int],
+    tool_calls: bool = False,
+    logprobs: list[dict[str, Any]] | None = None,
+    choices: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """A `chat.completion` or `text_completion` object."""
-    reason = finish_reason(engine_finish_reason)
-    if endpoint == "chat.completions":
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text, "refusal": None},
-            "logprobs": None,
-            "finish_reason": reason,
-        }
-        kind = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        kind = "text_completion"
+    """A `chat.completion` or `text_completion` object. With `tool_calls`, the text is read for
+    calls (parses_tool_calls): found ones become the message's `tool_calls`. `logprobs`: the
+    node's entries (inference/node/protocol.py), when the request asked for them. `choices`:
+    every choice's `text`, `finish_reason` and `logprobs` when the request asked for n > 1 (the
+    first choice is also `text`)."""
+    choices = choices or [
+        {"text": text, "finish_reason": engine_finish_reason, "logprobs": logprobs}
+    ]
     return {
         "id": response_id(endpoint, request_id),
-        "object": kind,
+        "object": "chat.completion" if endpoint == "chat.completions" else "text_completion",
         "created": created,
         "model": model,
-        "choices": [choice],
+        "choices": [
+            choice_object(endpoint, request_id, index, choice, tool_calls)
+            for index, choice in enumerate(choices)
+        ],
         "usage": usage_object(usage),
     }
+
+
+def choice_object(
+    endpoint: str, request_id: str, index: int, choice: dict[str, Any], tool_calls: bool
+) -> dict[str, Any]:
+    """One choice of a response, from what the node reported for it."""
+    text = choice["text"]
+    reason = finish_reason(choice["finish_reason"])
+    logprobs = logprobs_object(endpoint, choice.get("logprobs"))
+    if endpoint != "chat.completions":
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if tool_calls:
+        content, calls = parse_tool_calls(text)
+        if calls:
+            message["content"] = content
+            message["tool_calls"] = openai_tool_calls(request_id, calls, index)
+            reason = "tool_calls"
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
 
 def stream_chunk(
@@ -82,8 +140,13 @@ def stream_chunk(
     engine_finish_reason: str | None = None,
     first: bool = False,
     usage: dict[str, int] | None = None,
+    tool_call: dict[str, Any] | None = None,
+    reason: str | None = None,
+    logprobs: list[dict[str, Any]] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One SSE chunk: a text delta, the finishing chunk, or (with `usage`) the usage chunk that
+    """One SSE chunk: a text delta, a `tool_calls` delta (`tool_call`: one entry of it), the
+    finishing chunk (`reason` overrides the engine's), or (with `usage`) the usage chunk that
     `stream_options.include_usage` asks for, whose `choices` is empty."""
     if endpoint == "chat.completions":
         kind = "chat.completion.chunk"
@@ -95,12 +158,14 @@ def stream_chunk(
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            if tool_call is not None:
+                delta["tool_calls"] = [tool_call]
             choices = [
                 {
-                    "index": 0,
+                    "index": index,
                     "delta": delta,
-                    "logprobs": None,
-                    "finish_reason": finish_reason(engine_finish_reason),
+                    "logprobs": logprobs_object(endpoint, logprobs),
+                    "finish_reason": reason or finish_reason(engine_finish_reason),
                 }
             ]
     else:
@@ -110,9 +175,9 @@ def stream_chunk(
             if usage is not None
             else [
                 {
-                    "index": 0,
+                    "index": index,
                     "text": text or "",
-                    "logprobs": None,
+                    "logprobs": logprobs_object(endpoint, logprobs),
                     "finish_reason": finish_reason(engine_finish_reason),
                 }
             ]

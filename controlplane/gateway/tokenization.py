@@ -51,11 +51,14 @@ def load_catalog_tokenizers() -> None:
             logger.warning("tokenizer of %s not loaded at start-up: %s", source, error.message)
 
 
-def prompt_token_ids(tokenizer: Tokenizer, messages: list[dict] | None, prompt) -> list[int]:
-    """Chat messages rendered with the model's template, or a text prompt, or token ids as given."""
+def prompt_token_ids(
+    tokenizer: Tokenizer, messages: list[dict] | None, prompt, tools: list[dict] | None = None
+) -> list[int]:
+    """Chat messages (with the `tools` offered) rendered with the model's template, or a text
+    prompt, or token ids as given."""
     if messages is not None:
         try:
-            return tokenizer.apply_chat_template(messages)
+            return tokenizer.apply_chat_template(messages, tools)
         except ValueError as error:
             raise ApiError(400, str(error), param="messages", code="invalid_value") from error
     if isinstance(prompt, str):

@@ -2,8 +2,8 @@
 
 DRF's serializers coerce ("1" becomes 1, "true" becomes True); OpenAI answers a wrong type with a
 400 naming the field, and so does Hearth. Every check raises ApiError(400) with `param` set.
-Fields that a later issue brings (tools, response_format, logprobs, n > 1) are refused with a
-clear message rather than silently ignored.
+Fields not built yet are refused with a clear message rather than silently ignored. The fields
+that shape the output (response_format, tools) are checked in structured_fields.py.
 """
 
 from __future__ import annotations
@@ -11,19 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from controlplane.gateway import structured_fields
 from controlplane.gateway.errors import ApiError
+from inference.node.protocol import MAX_N
 
-_ROLES = {"system", "developer", "user", "assistant"}
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
 # Accepted and without effect on generation (OpenAI's bookkeeping fields).
-_IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+_IGNORED = {"user", "metadata", "store", "service_tier"}
 _NOT_YET = {
-    "tools": "tool calling",
-    "tool_choice": "tool calling",
-    "functions": "function calling",
-    "function_call": "function calling",
-    "response_format": "structured outputs",
-    "logit_bias": "logit_bias",
-    "top_logprobs": "top_logprobs",
+    "functions": "function calling (use 'tools')",
+    "function_call": "function calling (use 'tool_choice')",
     "prediction": "predicted outputs",
     "audio": "audio output",
     "modalities": "other modalities",
@@ -49,8 +46,17 @@ _COMMON = {
     "queue",
     "reject_if_busy",
     "deadline_s",
+    "logit_bias",
 }
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
+CHAT_FIELDS = _COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "top_logprobs",
+}
 TEXT_FIELDS = _COMMON | {"prompt", "echo"}
 
 
@@ -85,6 +91,13 @@ class CompletionRequest:
     queue: bool = False
     reject_if_busy: bool = False
     deadline_s: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: str = "none"  # 'none', 'auto', 'required' or a function's name
+
+    @property
+    def n(self) -> int:
+        """How many completions of the prompt it asks for."""
+        return self.sampling.get("n", 1)
 
 
 def _number(body: dict, name: str, low: float, high: float, sampling: dict, low_open=False):
@@ -135,10 +148,6 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(message, dict):
             raise _bad(f"messages[{index}]", "Each message must be an object.")
         role = message.get("role")
-        if role == "tool":
-            raise _bad(
-                f"messages[{index}].role", "Tool messages are not supported yet.", "unsupported"
-            )
         if role not in _ROLES:
             raise _bad(
                 f"messages[{index}].role",
@@ -149,12 +158,16 @@ def _messages(body: dict) -> list[dict]:
         if content is None and role == "assistant":
             content = ""
         # The chat templates know "system"; OpenAI's "developer" is its newer name.
-        rendered.append(
-            {
-                "role": "system" if role == "developer" else role,
-                "content": _content_text(content, index),
-            }
-        )
+        turn = {
+            "role": "system" if role == "developer" else role,
+            "content": _content_text(content, index),
+        }
+        if role == "assistant" and message.get("tool_calls") is not None:
+            turn["tool_calls"] = structured_fields.assistant_tool_calls(message, index)
+        if role == "tool":
+            turn["tool_call_id"] = message.get("tool_call_id")
+        rendered.append(turn)
+    structured_fields.check_tool_messages(rendered)
     return rendered
 
 
@@ -218,6 +231,63 @@ def _deadline(body: dict) -> int | None:
     return value
 
 
+def _logit_bias(body: dict, sampling: dict) -> None:
+    bias = body.get("logit_bias")
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise _bad("logit_bias", "'logit_bias' must map token ids to numbers.")
+    for token, value in bias.items():
+        if not str(token).isdigit() or not _is_number(value) or not -100 <= value <= 100:
+            raise _bad(
+                "logit_bias",
+                f"'logit_bias' maps token ids to numbers in [-100, 100]; got {token!r}: {value!r}.",
+                "invalid_value",
+            )
+    if bias:
+        sampling["logit_bias"] = {str(int(token)): float(v) for token, v in bias.items()}
+
+
+def _logprobs(body: dict, endpoint: str, sampling: dict) -> None:
+    """Chat: `logprobs` (a boolean) and `top_logprobs` (0-20, needs logprobs). Completions: the
+    legacy `logprobs`, how many alternatives (0-5) to return with each token's log-probability."""
+    if endpoint == "completions":
+        value = body.get("logprobs")
+        if value is None:
+            return
+        if not _is_int(value) or not 0 <= value <= 5:
+            raise _bad("logprobs", "'logprobs' must be an integer in [0, 5].", "invalid_value")
+        sampling.update(logprobs=True, top_logprobs=value)
+        return
+    wanted = _flag(body, "logprobs")
+    top = body.get("top_logprobs")
+    if top is not None:
+        if not _is_int(top) or not 0 <= top <= 20:
+            raise _bad(
+                "top_logprobs", "'top_logprobs' must be an integer in [0, 20].", "invalid_value"
+            )
+        if not wanted:
+            raise _bad("top_logprobs", "'top_logprobs' requires 'logprobs': true.", "invalid_value")
+    if wanted:
+        sampling.update(logprobs=True, top_logprobs=top or 0)
+
+
+def _shape_output(body: dict, request: CompletionRequest) -> None:
+    """Tools and response format: what the request may call, and the grammar of its output."""
+    request.tools = structured_fields.tools(body)
+    request.tool_choice = structured_fields.tool_choice(body, request.tools)
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise _bad("parallel_tool_calls", "'parallel_tool_calls' must be a boolean.")
+    spec = structured_fields.response_format(body)
+    if request.tools:
+        spec = (
+            structured_fields.tool_call_spec(request.tools, request.tool_choice, parallel) or spec
+        )
+    if spec is not None:
+        request.sampling["structured"] = spec
+
+
 def validate_completion_request(body: Any, endpoint: str) -> CompletionRequest:
     """Check a chat (`chat.completions`) or text (`completions`) request body."""
     if not isinstance(body, dict):
@@ -246,13 +316,15 @@ def validate_completion_request(body: Any, endpoint: str) -> CompletionRequest:
                 raise _bad(name, "'top_k' must be >= 0.", "invalid_value")
             sampling[name] = body[name]
     _stop(body, sampling)
+    _logit_bias(body, sampling)
     n = body.get("n")
     if n is not None and (not _is_int(n) or n < 1):
         raise _bad("n", "'n' must be a positive integer.")
-    if n not in (None, 1):
-        raise _bad("n", "Only n=1 is supported yet.", "unsupported")
-    if _flag(body, "logprobs"):
-        raise _bad("logprobs", "'logprobs' is not supported yet.", "unsupported")
+    if n is not None and n > MAX_N:
+        raise _bad("n", f"'n' must be at most {MAX_N}, got {n}.", "invalid_value")
+    if n and n > 1:
+        sampling["n"] = n
+    _logprobs(body, endpoint, sampling)
     if endpoint == "completions" and _flag(body, "echo"):
         raise _bad("echo", "'echo' is not supported yet.", "unsupported")
     stream = _flag(body, "stream")
@@ -282,6 +354,7 @@ def validate_completion_request(body: Any, endpoint: str) -> CompletionRequest:
     if endpoint == "chat.completions":
         request.messages = _messages(body)
         request.max_tokens = _max_tokens(body, ("max_tokens", "max_completion_tokens"))
+        _shape_output(body, request)
     else:
         request.prompt = _prompt(body)
         request.max_tokens = _max_tokens(body, ("max_tokens",))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import secrets
 from decimal import Decimal
+from functools import partial
 from typing import Any
 
 import dramatiq
@@ -22,6 +23,7 @@ from controlplane.billing import budgets
 from controlplane.billing.models import UsageRecord
 from controlplane.catalog.models import price_in_effect
 from controlplane.events.models import Event
+from controlplane.gateway.metrics import count_route_tokens
 from inference.node.protocol import ABORT_ACTOR, control_queue
 
 logger = logging.getLogger(__name__)
@@ -198,9 +200,15 @@ class JobManager(models.Manager["Job"]):
                 "usage": usage,
                 "cost": record.cost_object(),
                 "timings": payload.get("timings") or {},
+                "logprobs": payload.get("logprobs"),
+                "choices": payload.get("choices"),
             }
             job.save(update_fields=[*SETTLED_FIELDS, "result"])
             budgets.settle(job, record.total_cost)
+            if job.route:
+                transaction.on_commit(
+                    partial(count_route_tokens, job.model, job.route, usage), robust=True
+                )
             job.emit(f"job.{job.status}")
             return True
 
@@ -243,6 +251,8 @@ class Job(models.Model):
     # Where its generation message was sent, the how-many-th time, and when: the broker holds it
     # under `message_key()` until a node answers it (controlplane/jobs/redelivery.py).
     queue = models.CharField(max_length=300, blank=True)
+    # Why admission chose that queue (gateway/routing.py): the route counters' key.
+    route = models.CharField(max_length=24, blank=True)
     dispatches = models.PositiveIntegerField(default=1)
     dispatched_at = models.DateTimeField(default=timezone.now)
     # What admission reserved of the month's budgets, and in which scopes (billing/budgets.py);

@@ -15,6 +15,13 @@ records whichever result comes first, once (`record_completion` is idempotent). 
 whose message was lost gets its answer from the job's row (completions._receive polls it when the
 reply channel stays quiet).
 
+A node that dies strands the messages in its own queue (`infer.<model>.<node>`: affinity and
+prefix-aware routing send work there), and the broker puts back the ones it had taken in that
+same queue, which nobody else reads. `reroute_from_dead_nodes` dispatches again every open job
+queued for, or running on, a node that no longer heartbeats, to the route a new request would
+take (the model's shared queue: any node with room). If the node comes back, it may run its old
+copy too; whichever result comes first is recorded, once.
+
 Run by `manage.py sweepjobs`, beside the worker. In embedded mode the in-process broker loses
 everything with its process, so `redispatch_open` sends every open job again at start-up.
 """
@@ -32,7 +39,7 @@ from controlplane.catalog.registry import live_nodes
 from controlplane.gateway.routing import choose_route
 from controlplane.jobs.models import Job
 from inference.node.keyed_messages import RECORD_SUFFIX, held_keys, keeps_keys
-from inference.node.protocol import CONTROLPLANE_QUEUE
+from inference.node.protocol import CONTROLPLANE_QUEUE, model_queue
 
 logger = logging.getLogger(__name__)
 BATCH = 500
@@ -65,6 +72,36 @@ def redeliver_lost(grace_s: float) -> int | None:
                 redelivered += _dispatch_again(job)
 
 
+def reroute_from_dead_nodes(grace_s: float) -> int:
+    """Dispatch again every open job, dispatched over `grace_s` ago, that waits in the queue of
+    a node without a heartbeat or runs on one; how many."""
+    cutoff = timezone.now() - timedelta(seconds=grace_s)
+    open_jobs = Job.objects.filter(
+        status__in=[Job.QUEUED, Job.RUNNING], dispatched_at__lt=cutoff
+    ).select_related("org")
+    rerouted = 0
+    live: dict[str, set[str]] = {}
+    for job in open_jobs.order_by("pk").iterator(chunk_size=BATCH):
+        if job.model not in live:
+            live[job.model] = {node["id"] for node in live_nodes(job.model)}
+        node = job.node if job.status == Job.RUNNING else _queue_node(job)
+        if not node or node in live[job.model] or not _dispatch_again(job):
+            continue
+        rerouted += 1
+        if job.status == Job.RUNNING:
+            # It runs nowhere now; the node that takes the new message records itself.
+            Job.objects.filter(pk=job.pk, status=Job.RUNNING, node=node).update(node="")
+    return rerouted
+
+
+def _queue_node(job: Job) -> str | None:
+    """The node whose own queue holds the job; None for the model's shared queue."""
+    shared = model_queue(job.model)
+    if job.queue.startswith(shared + "."):
+        return job.queue[len(shared) + 1 :]
+    return None
+
+
 def redispatch_open() -> int:
     """Dispatch again every open job: for a broker that kept nothing (embedded start-up)."""
     jobs = Job.objects.filter(status__in=[Job.QUEUED, Job.RUNNING]).select_related("org")
@@ -85,5 +122,5 @@ def _dispatch_again(job: Job) -> int:
     job.dispatches, job.dispatched_at, job.queue = job.dispatches + 1, now, route.queue
     deadline = job.deadline_at.timestamp() if job.deadline_at else None
     dispatch(job, route.queue, None, deadline)
-    logger.warning("job %s was lost with the broker; dispatched again to %s", job.id, route.queue)
+    logger.warning("job %s dispatched again, to %s", job.id, route.queue)
     return 1

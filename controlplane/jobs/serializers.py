@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from controlplane.gateway.responses import completion_response, epoch_seconds, usage_object
+from controlplane.gateway.responses import (
+    completion_response,
+    epoch_seconds,
+    parses_tool_calls,
+    usage_object,
+)
 
 
 def job_object(job) -> dict[str, Any]:
@@ -22,6 +27,9 @@ def job_object(job) -> dict[str, Any]:
             result["text"],
             result["finish_reason"],
             result["usage"],
+            tool_calls=parses_tool_calls(job.request or {}),
+            logprobs=result.get("logprobs"),
+            choices=result.get("choices"),
         )
     return {
         "id": job.id,
@@ -29,7 +37,7 @@ def job_object(job) -> dict[str, Any]:
         "status": job.status,
         "model": job.model,
         "mode": job.mode,
-        "endpoint": f"/v1/{job.endpoint}",
+        "endpoint": ENDPOINT_PATHS[job.endpoint],
         "request_id": job.request_id,
         "created": created,
         "started_at": epoch_seconds(job.started_at),
@@ -48,3 +56,5 @@ def job_object(job) -> dict[str, Any]:
 
 
 _ERROR_CODES = {"expired": "deadline_exceeded"}
+# The URL a job's request came to (`Job.endpoint` holds the endpoint's name, "chat.completions").
+ENDPOINT_PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions"}

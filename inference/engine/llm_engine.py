@@ -20,6 +20,7 @@ from inference.engine.tokenizer import Tokenizer
 from inference.errors import InvalidRequestError, ModelLoadError
 from inference.models.loader import resolve_model_directory
 from inference.models.model_config import ModelConfig
+from inference.structured.grammar import GrammarCompiler
 
 
 class LLMEngine:
@@ -68,6 +69,17 @@ class LLMEngine:
         self.logprobs: dict[str, list[TokenLogprob]] = {}
         self.stop_token_ids: dict[str, set[int]] = {}
         self._finished_outside_step: list[Sequence] = []
+        self._grammars: GrammarCompiler | None = None
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler over this model's vocabulary, built by the first constrained
+        request (reading the vocabulary takes about a second)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(
+                self.tokenizer.hf, self.model_config.vocab_size, self.tokenizer.eos_token_ids
+            )
+        return self._grammars
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
@@ -110,7 +122,14 @@ class LLMEngine:
                 f"holds {self.block_manager.num_blocks * self.config.block_size}",
                 param="max_tokens",
             )
+        vocab = self.model_config.vocab_size
+        if any(token >= vocab for token in params.logit_bias):
+            raise InvalidRequestError(
+                f"logit_bias names a token id outside the vocabulary [0, {vocab})", "logit_bias"
+            )
         seq = Sequence(request_id, prompt_token_ids, params, namespace, deadline)
+        if params.structured is not None:
+            seq.constraint = self.grammars.constraint(params.structured)
         self.sequences[request_id] = seq
         self.detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids, params.stop
@@ -169,7 +188,7 @@ class LLMEngine:
         self._finished_outside_step = []
         if not plan.scheduled:
             return outputs
-        sampling, token_ids, logprobs = self.runner.run(plan.scheduled)
+        sampling, token_ids, logprobs = self.runner.run(plan.scheduled, self._grammars)
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.commit_computed_blocks(item.seq)
@@ -188,7 +207,9 @@ class LLMEngine:
             self.logprobs[seq.request_id].append(logprob)
         detokenizer = self.detokenizers[seq.request_id]
         reason = None
-        if token_id in self.stop_token_ids[seq.request_id]:
+        if token_id in self.stop_token_ids[seq.request_id] or (
+            seq.constraint is not None and seq.constraint.finished
+        ):
             reason = "stop"
         else:
             detokenizer.add_token(token_id)

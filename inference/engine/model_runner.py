@@ -16,6 +16,7 @@ from inference.engine.sequence import Sequence
 from inference.models.llama import ForwardBatch, LlamaModel
 from inference.models.loader import load_weights
 from inference.models.model_config import ModelConfig
+from inference.structured.grammar import GrammarCompiler
 
 
 class ModelRunner:
@@ -42,9 +43,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(
-        self, scheduled: list[ScheduledSequence]
+        self, scheduled: list[ScheduledSequence], grammars: GrammarCompiler | None = None
     ) -> tuple[list[Sequence], list[int], list[TokenLogprob | None]]:
-        """Compute the scheduled tokens; sample for sequences whose last token was computed.
+        """Compute the scheduled tokens; sample for sequences whose last token was computed
+        (`grammars`: the engine's compiler, when some sequence is constrained).
 
         Returns the sampling sequences with their new token ids and logprobs.
         """
@@ -87,5 +89,5 @@ class ModelRunner:
             return [], [], []
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        token_ids, logprobs = sample(logits.cpu(), sampling)
+        token_ids, logprobs = sample(logits.cpu(), sampling, grammars)
         return sampling, token_ids, logprobs

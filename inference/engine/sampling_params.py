@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from inference.errors import InvalidRequestError
+from inference.structured.spec import check_spec
 
 
 @dataclass
@@ -15,7 +17,10 @@ class SamplingParams:
     whatever else shares its batch. Penalties follow their usual definitions: `repetition_penalty`
     (CTRL / Hugging Face, over prompt and output), `presence_penalty` and `frequency_penalty`
     (OpenAI, over the output). `logprobs` returns the sampled token's log-probability under the
-    model's raw distribution, `top_logprobs` the n most likely alternatives.
+    model's raw distribution, `top_logprobs` the n most likely alternatives. `logit_bias` adds
+    its value (-100 to 100) to a token's logit before sampling (OpenAI's). `structured` constrains
+    the output to a grammar (inference/structured/spec.py: a JSON schema, any JSON object, or
+    tool calls).
     """
 
     max_tokens: int | None = 16
@@ -32,10 +37,19 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    structured: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.logit_bias, dict):  # JSON keys arrive as strings
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise InvalidRequestError(
+                    "logit_bias maps token ids to numbers", param="logit_bias"
+                ) from None
         self.validate()
 
     @property
@@ -48,6 +62,7 @@ class SamplingParams:
             self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
         )
 
     def validate(self) -> None:
@@ -83,9 +98,17 @@ class SamplingParams:
                 "must be non-negative integers",
             ),
             (self.seed is None or isinstance(self.seed, int), "seed", "must be an integer"),
+            (
+                isinstance(self.logit_bias, dict)
+                and all(k >= 0 and -100.0 <= v <= 100.0 for k, v in self.logit_bias.items()),
+                "logit_bias",
+                "must map non-negative token ids to numbers in [-100, 100]",
+            ),
         ]
         for ok, name, rule in checks:
             if not ok:
                 raise InvalidRequestError(f"{name} {rule}, got {getattr(self, name)!r}", param=name)
+        if self.structured is not None:
+            check_spec(self.structured)
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs=True", param="top_logprobs")

@@ -9,6 +9,7 @@ import torch
 
 from inference.engine.block_hash import hash_block
 from inference.engine.sampling_params import SamplingParams
+from inference.structured.grammar import Constraint
 
 
 class SequenceStatus(enum.Enum):
@@ -48,6 +49,7 @@ class Sequence:
         self.num_committed_blocks = 0
         self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
+        self.constraint: Constraint | None = None  # its grammar, when its output is constrained
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

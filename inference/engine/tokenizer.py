@@ -10,6 +10,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from inference.structured.tool_prompt import prepare_messages
+
 
 class Tokenizer:
     """Encode, decode and render chat messages for one model."""
@@ -43,9 +45,12 @@ class Tokenizer:
         tools: list[dict] | None = None,
         add_generation_prompt: bool = True,
     ) -> list[int]:
-        """Token ids of `messages` rendered with the model's own chat template."""
+        """Token ids of `messages` rendered with the model's own chat template; `tools` and
+        tool calls as the template renders them, or in the documented fallback
+        (inference/structured/tool_prompt.py)."""
         if not self.hf.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead")
+        messages, tools = prepare_messages(self.hf, messages, tools)
         text = self.hf.apply_chat_template(
             messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
         )

@@ -1,13 +1,37 @@
-"""Where a node's heartbeat goes: a Redis key with a TTL (production), or a dict (embedded)."""
+"""Where a node's heartbeat goes: a Redis key with a TTL (production), or a dict (embedded).
+
+A heartbeat carries a digest of the node's cached prefix blocks for prefix-aware routing: the
+first `DIGEST_HASH_BYTES` bytes of each 16-byte block hash, concatenated and base64-encoded.
+8 bytes is 11 characters of JSON per block where the full hex is 34 (a node caching 4,096 blocks
+beats 44 KB instead of 139 KB). Two different prefixes that agree on 64 bits make the gateway
+route a prompt as if its prefix were cached; the engine compares the full hash on admission, so
+such a collision (about 1e-12 for a 100-block prompt against 4,096 cached blocks) costs one miss,
+never a wrong answer.
+"""
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 NODE_KEY_PREFIX = "hearth:node:"
+DIGEST_HASH_BYTES = 8
+
+
+def encode_prefix_digest(block_hashes: Iterable[bytes]) -> str:
+    """The heartbeat's `cached_prefix_digest` for the hashes a node's prefix cache serves."""
+    return base64.b64encode(b"".join(h[:DIGEST_HASH_BYTES] for h in block_hashes)).decode()
+
+
+def decode_prefix_digest(digest: str) -> frozenset[bytes]:
+    """The truncated hashes of a `cached_prefix_digest`; test a block hash `h` for membership
+    with `h[:DIGEST_HASH_BYTES] in decoded`."""
+    raw = base64.b64decode(digest)
+    return frozenset(raw[i : i + DIGEST_HASH_BYTES] for i in range(0, len(raw), DIGEST_HASH_BYTES))
 
 
 class RedisHeartbeat:

@@ -10,6 +10,7 @@ exactly once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -26,6 +27,7 @@ from inference.engine.llm_engine import LLMEngine
 from inference.engine.outputs import RequestOutput, Timings
 from inference.engine.sampling_params import SamplingParams
 from inference.errors import InvalidRequestError, RequestExpiredError
+from inference.node.heartbeat import encode_prefix_digest
 from inference.node.keyed_messages import RECORD_SUFFIX, enqueue_keyed, message_key
 from inference.node.protocol import (
     ABORT_ACTOR,
@@ -35,8 +37,10 @@ from inference.node.protocol import (
     GenerationRequest,
     completion_payload,
     control_queue,
+    logprob_entries,
     model_queue,
     node_queue,
+    storable_text,
 )
 
 logger = logging.getLogger(__name__)
@@ -46,12 +50,28 @@ BROKER_DOWN = (BrokerConnectionError, redis.ConnectionError, redis.TimeoutError)
 
 
 @dataclass
+class _Choice:
+    """One of a request's `n` completions: an engine sequence of its own."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+    finished: bool = False
+
+
+@dataclass
 class _InFlight:
     request: GenerationRequest
     consumer: Consumer
     message: MessageProxy
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
+    choices: list[_Choice] = field(default_factory=list)
+    output: RequestOutput | None = None  # the first choice's last output: usage and timings
+
+
+def sequence_id(request_id: str, index: int, n: int) -> str:
+    """The engine's id of a request's `index`-th choice (the request's own id when n is 1)."""
+    return request_id if n == 1 else f"{request_id}/{index}"
 
 
 class DeltaPublisher:
@@ -148,6 +168,8 @@ class Node:
         self.role = role
         self.heartbeat_interval_s = heartbeat_interval_s
         self.inflight: dict[str, _InFlight] = {}
+        # Engine sequence id → its request and choice index (sequence_id).
+        self.sequences: dict[str, tuple[_InFlight, int]] = {}
         self.unrecorded: list[tuple[dict[str, Any], _InFlight]] = []
         self.recorded_late = 0
         # The node's own queue first: affinity traffic must not wait behind the shared queue.
@@ -200,17 +222,33 @@ class Node:
             if request.deadline is not None and request.deadline <= time.time():
                 # It waited in the broker past its deadline: report it expired, compute nothing.
                 raise RequestExpiredError("the job's deadline passed before it started")
-            self.engine.add_request(
-                request.request_id,
-                request.prompt_token_ids,
-                request.sampling,
-                namespace=request.org,
-                deadline=request.deadline,
-            )
+            added = []
+            for index in range(request.n):
+                # Each choice samples with its own seed, so seeded choices differ but repeat.
+                seed = request.sampling.seed
+                params = dataclasses.replace(
+                    request.sampling, seed=None if seed is None else seed + index
+                )
+                added.append(sequence_id(request.request_id, index, request.n))
+                try:
+                    self.engine.add_request(
+                        added[-1],
+                        request.prompt_token_ids,
+                        params,
+                        namespace=request.org,
+                        deadline=request.deadline,
+                    )
+                except InvalidRequestError:
+                    for done in added[:-1]:  # reported by the next step, to nobody
+                        self.engine.abort(done)
+                    raise
         except InvalidRequestError as error:
             self._reject(consumer, message, body, error)
             return
-        self.inflight[request.request_id] = _InFlight(request, consumer, message)
+        flight = _InFlight(request, consumer, message, [_Choice() for _ in range(request.n)])
+        self.inflight[request.request_id] = flight
+        for index, engine_id in enumerate(added):
+            self.sequences[engine_id] = (flight, index)
         self._enqueue(
             RECORD_STARTED_ACTOR,
             {
@@ -254,44 +292,47 @@ class Node:
     # ---- running ----------------------------------------------------------------------------
     def step(self) -> None:
         for output in self.engine.step():
-            flight = self.inflight.get(output.request_id)
-            if flight is not None:
-                self._handle(flight, output)
+            found = self.sequences.get(output.request_id)
+            if found is not None:
+                self._handle(*found, output)
 
-    def _handle(self, flight: _InFlight, output: RequestOutput) -> None:
-        flight.text.append(output.text)
-        flight.token_ids.extend(output.token_ids)
+    def _handle(self, flight: _InFlight, index: int, output: RequestOutput) -> None:
+        choice = flight.choices[index]
+        text = storable_text(output.text)
+        choice.text.append(text)
+        choice.token_ids.extend(output.token_ids)
+        entries = logprob_entries(self.engine.tokenizer, output.logprobs)
+        choice.logprobs.extend(entries)
+        if index == 0:
+            flight.output = output
         channel = flight.request.reply_channel
-        if channel and self.publisher and (output.text or output.token_ids):
+        if channel and self.publisher and (text or output.token_ids):
             # Every delta says where it runs and what hit the cache, so a stream's first one can
             # set the response headers.
             self.publisher.send(
                 channel,
                 {
                     "type": "delta",
-                    "text": output.text,
+                    "index": index,
+                    "text": text,
                     "token_ids": output.token_ids,
                     "node": self.node_id,
                     "cached_tokens": output.cached_tokens,
+                    "logprobs": entries or None,
                 },
             )
         if not output.finished:
             return
-        payload = completion_payload(
-            flight.request,
-            self.node_id,
-            "".join(flight.text),
-            flight.token_ids,
-            output.finish_reason,
-            output.prompt_tokens,
-            output.cached_tokens,
-            output.timings,
-        )
+        choice.finished, choice.finish_reason = True, output.finish_reason
+        del self.sequences[output.request_id]
+        if not all(c.finished for c in flight.choices):
+            return
+        payload = self._payload(flight)
         # The waiting client first: the send is scheduled on the publisher's thread, while the
         # record is a broker round trip (the ack, after it, still waits for the record).
         if channel and self.publisher:
             self.publisher.send(channel, {"type": "done", **payload})
-        del self.inflight[output.request_id]
+        del self.inflight[flight.request.request_id]
         try:
             self._record(payload, flight.message)
         except BROKER_DOWN:
@@ -299,6 +340,36 @@ class Node:
             self.unrecorded.append((payload, flight))
             return
         flight.consumer.ack(flight.message)
+
+    def _payload(self, flight: _InFlight) -> dict[str, Any]:
+        """The `record_completion` of a request whose choices all finished: the first choice's
+        text at the top (as with n = 1), every choice under `choices` when n > 1. The prompt
+        counts once; completion tokens add up over the choices."""
+        first, output = flight.choices[0], flight.output
+        wants_logprobs = flight.request.sampling.logprobs
+        payload = completion_payload(
+            flight.request,
+            self.node_id,
+            "".join(first.text),
+            first.token_ids,
+            first.finish_reason,
+            output.prompt_tokens,
+            output.cached_tokens,
+            output.timings,
+            logprobs=first.logprobs if wants_logprobs else None,
+        )
+        if flight.request.n > 1:
+            payload["choices"] = [
+                {
+                    "text": "".join(c.text),
+                    "token_ids": c.token_ids,
+                    "finish_reason": c.finish_reason,
+                    "logprobs": c.logprobs if wants_logprobs else None,
+                }
+                for c in flight.choices
+            ]
+            payload["usage"]["completion_tokens"] = sum(len(c.token_ids) for c in flight.choices)
+        return payload
 
     def send_unrecorded(self) -> None:
         """Record the results finished while the broker was away, then ack their messages (an
@@ -341,9 +412,15 @@ class Node:
             body = message.args[0] if message.args else {}
             if message.actor_name == ABORT_ACTOR and isinstance(body, dict):
                 request_id = body.get("request_id")
-                if request_id in self.inflight and self.engine.abort(request_id):
+                if request_id in self.inflight and self._abort(request_id):
                     logger.info("aborted %s at the control plane's request", request_id)
             self.control.ack(message)
+
+    def _abort(self, request_id: str) -> bool:
+        """Stop every choice of a request; True if one was still running."""
+        n = self.inflight[request_id].request.n
+        stopped = [self.engine.abort(sequence_id(request_id, i, n)) for i in range(n)]
+        return any(stopped)
 
     def beat(self, force: bool = False) -> None:
         """Publish load and cache state, at most every `heartbeat_interval_s`."""
@@ -364,7 +441,8 @@ class Node:
             "running": stats.num_running,
             "waiting": stats.num_waiting,
             "free_slots": self.free_slots(),
-            "cached_prefix_hashes": [h.hex() for h in self.engine.cached_block_hashes()],
+            "max_num_seqs": self.engine.config.max_num_seqs,
+            "cached_prefix_digest": encode_prefix_digest(self.engine.cached_block_hashes()),
             "at": time.time(),
         }
         self.heartbeat(self.node_id, state, self.heartbeat_interval_s * 3)
@@ -395,6 +473,6 @@ class Node:
                 else:
                     stop.wait(BROKER_RETRY_S)
         for request_id in list(self.inflight):
-            self.engine.abort(request_id)
+            self._abort(request_id)
         for consumer in [*self.consumers, self.control]:
             consumer.close()

@@ -3,8 +3,9 @@
 Generation requests arrive as Dramatiq messages for the actor `generate` on the model's queue
 `infer.<model>` or a node's own `infer.<model>.<node>`; their single argument is a dict:
 `request_id`, `job_id`, `org` (the prefix-cache namespace), `prompt_token_ids`, `sampling`
-(SamplingParams fields), `reply_channel` (None for async work), `deadline` (epoch seconds or
-None), `attempt`. Results leave as `record_completion` messages on the control plane's queue.
+(SamplingParams fields, plus `n`: how many completions), `reply_channel` (None for async
+work), `deadline` (epoch seconds or None), `attempt`. Results leave as `record_completion`
+messages on the control plane's queue.
 
 Each node also reads a control queue of its own, `infer.<model>.<node>.control`: `abort`
 messages (`{"request_id"}`) stop a request it runs (a cancelled job, or one past its attempts).
@@ -16,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from inference.engine.outputs import Timings
+from inference.engine.outputs import Timings, TokenLogprob
 from inference.engine.sampling_params import SamplingParams
 from inference.errors import InvalidRequestError
 
@@ -25,6 +26,7 @@ RECORD_COMPLETION_ACTOR = "record_completion"
 RECORD_STARTED_ACTOR = "record_started"
 ABORT_ACTOR = "abort"
 CONTROLPLANE_QUEUE = "default"
+MAX_N = 8  # the most completions one request may ask for
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
@@ -55,6 +57,7 @@ class GenerationRequest:
     reply_channel: str | None = None
     deadline: float | None = None
     attempt: int = 1
+    n: int = 1  # how many completions of the prompt (OpenAI's `n`), each its own sequence
 
     @classmethod
     def from_message(cls, body: dict[str, Any]) -> GenerationRequest:
@@ -67,7 +70,10 @@ class GenerationRequest:
         tokens = body.get("prompt_token_ids")
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise InvalidRequestError("prompt_token_ids must be a list of integers", "prompt")
-        sampling = body.get("sampling") or {}
+        sampling = dict(body.get("sampling") or {})
+        n = sampling.pop("n", 1)
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+            raise InvalidRequestError(f"n must be an integer in [1, {MAX_N}]", "n")
         unknown = set(sampling) - _SAMPLING_FIELDS
         if unknown:
             raise InvalidRequestError(f"unknown sampling fields {sorted(unknown)}", "sampling")
@@ -84,6 +90,7 @@ class GenerationRequest:
             reply_channel=body.get("reply_channel"),
             deadline=body.get("deadline"),
             attempt=int(body.get("attempt") or 1),
+            n=n,
         )
 
 
@@ -98,9 +105,11 @@ def completion_payload(
     timings: Timings,
     error: str | None = None,
     error_code: str | None = None,
+    logprobs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The argument of a `record_completion` message. `error_code` "expired" marks a request
-    refused because its deadline passed before it started."""
+    refused because its deadline passed before it started; `logprobs`, when the request asked
+    for them, holds one `logprob_entries` entry per generated token."""
     return {
         "request_id": request.request_id,
         "job_id": request.job_id,
@@ -117,4 +126,30 @@ def completion_payload(
             "completion_tokens": len(token_ids),
         },
         "timings": dataclasses.asdict(timings),
+        "logprobs": logprobs,
     }
+
+
+def storable_text(text: str) -> str:
+    """Generated text as the control plane can store it: NUL (U+0000), which PostgreSQL's jsonb
+    refuses (a result holding one could never be recorded, so never billed), becomes U+FFFD.
+    Deltas, results and logprob tokens all go through it, so a stream and its job agree."""
+    return text.replace("\x00", "\ufffd")
+
+
+def logprob_entries(tokenizer, logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """Tokens' log-probabilities in OpenAI's shape (`ChatCompletionTokenLogprob`): each token's
+    text, its UTF-8 bytes, its log-probability and its most likely alternatives. A token that is
+    part of a multi-byte character shows as U+FFFD, as its text alone decodes."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = storable_text(tokenizer.decode([token_id], skip_special_tokens=False))
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return [
+        {
+            **entry(item.token_id, item.logprob),
+            "top_logprobs": [entry(token, value) for token, value in item.top_logprobs],
+        }
+        for item in logprobs
+    ]

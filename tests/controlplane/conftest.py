@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from controlplane.accounts.management.commands.demo import DEMO_PRICES
@@ -70,3 +72,16 @@ def api(client):
             return client.get(path, **headers)
 
     return Api()
+
+
+@pytest.fixture
+def post(client):
+    """POST a JSON body (or `raw` bytes) with an API key, through Django's test client."""
+
+    def post(path: str, body, key: str | None = None, raw: bool = False, **headers):
+        if key is not None:
+            headers["HTTP_AUTHORIZATION"] = f"Bearer {key}"
+        data = body if raw else json.dumps(body)
+        return client.post(path, data=data, content_type="application/json", **headers)
+
+    return post

@@ -240,7 +240,7 @@ def test_a_settled_batch_completes_with_output_and_error_files(sdk, tiny):
 
 
 def test_a_batch_without_a_valid_line_fails_with_its_errors(sdk, tiny):
-    batch = create_batch(sdk, [chat_line("a", "x", temperature=9), chat_line("b", "y", n=3)])
+    batch = create_batch(sdk, [chat_line("a", "x", temperature=9), chat_line("b", "y", n=9)])
     assert batch.status == "failed" and batch.failed_at
     assert batch.request_counts.failed == 2 and batch.output_file_id is None
     assert [e.line for e in batch.errors.data] == [1, 2]

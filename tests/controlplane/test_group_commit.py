@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from datetime import timedelta
 from decimal import Decimal
 
@@ -102,3 +103,46 @@ def test_concurrent_admissions_each_get_their_own_job_and_event(org_a, key_a, ti
     events = list(Event.objects.filter(type="job.queued").order_by("sequence"))
     assert sorted(e.data["id"] for e in events) == sorted(job.id for job in jobs)
     assert all(job.created is not None and job.status == Job.QUEUED for job in jobs)
+
+
+def test_a_job_aborted_as_a_deadlocks_victim_is_written_again(org_a, tiny):
+    """A real deadlock on PostgreSQL: another transaction holds the org's event lock and waits on
+    the job's row; the writer, waiting on the event lock, is the one PostgreSQL aborts (its
+    deadlock check fires first). It writes the job again, and then it succeeds."""
+    from django.db import connections, transaction
+
+    from controlplane.events.models import EMIT_LOCK_NAMESPACE
+
+    item = pending(org_a, tiny)
+    locked, inserting = threading.Event(), threading.Event()
+
+    def rival() -> None:
+        try:
+            with transaction.atomic():
+                with connection.cursor() as cursor:
+                    cursor.execute("SET LOCAL deadlock_timeout = '10s'")  # never the victim
+                    cursor.execute(
+                        "SELECT pg_advisory_xact_lock(%s, %s)", [EMIT_LOCK_NAMESPACE, org_a.pk]
+                    )
+                locked.set()
+                time.sleep(0.5)  # the writer inserts its job, then waits for the event lock
+                inserting.set()
+                twin = pending(org_a, tiny).job
+                twin.id, twin.request_id = item.job.id, item.job.request_id
+                twin.save(force_insert=True)  # waits on the writer's row: a deadlock
+                time.sleep(0.3)
+                raise RuntimeError("roll back")  # gives the writer's retry its way
+        except RuntimeError:
+            pass
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=rival)
+    thread.start()
+    assert locked.wait(10)
+    write_group([item])
+    thread.join(30)
+    assert inserting.is_set()
+    assert item.error is None
+    job = Job.objects.get(pk=item.job.pk)
+    assert Event.objects.filter(type="job.queued", data__id=job.id).count() == 1

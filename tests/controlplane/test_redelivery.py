@@ -16,7 +16,12 @@ from controlplane.events.redelivery import resend_lost_webhooks
 from controlplane.events.webhooks import WebhookDelivery, WebhookEndpoint
 from controlplane.gateway.admission import admit
 from controlplane.jobs.models import Job
-from controlplane.jobs.redelivery import _dispatch_again, redeliver_lost, redispatch_open
+from controlplane.jobs.redelivery import (
+    _dispatch_again,
+    redeliver_lost,
+    redispatch_open,
+    reroute_from_dead_nodes,
+)
 from inference.node.keyed_messages import RECORD_SUFFIX, enqueue_keyed, held_keys
 from inference.node.protocol import CONTROLPLANE_QUEUE, RECORD_COMPLETION_ACTOR
 
@@ -183,3 +188,34 @@ def test_an_endpoint_gets_no_events_from_before_it_existed(broker, org_a, settin
     WebhookDelivery.objects.fan_out(event.pk)
     assert not WebhookDelivery.objects.filter(endpoint=later).exists()
     assert WebhookDelivery.objects.filter(event=event).count() == 1
+
+
+def test_jobs_stranded_with_a_dead_node_are_dispatched_again_to_the_shared_queue(
+    broker, key_a, tiny
+):
+    """A node's own queue is read by that node alone: when it stops heartbeating, the open jobs
+    queued there or running on it go to the shared queue; a live node's are left alone."""
+    from controlplane.catalog import registry
+    from inference.node.heartbeat import MemoryHeartbeat
+    from inference.node.protocol import node_queue
+
+    heartbeat = MemoryHeartbeat()
+    heartbeat("alive", {"id": "alive", "model": tiny.id, "free_slots": 1}, 60)
+    registry.use_memory_heartbeat(heartbeat)
+    try:
+        queued_dead, queued_live, running_dead = (submit(key_a, tiny.id) for _ in range(3))
+        Job.objects.filter(pk=queued_dead.pk).update(queue=node_queue(tiny.id, "gone"))
+        Job.objects.filter(pk=queued_live.pk).update(queue=node_queue(tiny.id, "alive"))
+        Job.objects.record_started({"request_id": running_dead.request_id, "node": "gone"})
+        assert reroute_from_dead_nodes(grace_s=60) == 0  # not yet past the grace period
+        assert reroute_from_dead_nodes(grace_s=0) == 2
+        assert reroute_from_dead_nodes(grace_s=0) == 0  # now on the shared queue
+    finally:
+        registry.use_memory_heartbeat(None)
+    for job in (queued_dead, queued_live, running_dead):
+        job.refresh_from_db()
+    assert (queued_dead.queue, queued_dead.dispatches) == (f"infer.{tiny.id}", 2)
+    assert (running_dead.queue, running_dead.dispatches) == (f"infer.{tiny.id}", 2)
+    assert (queued_live.queue, queued_live.dispatches) == (node_queue(tiny.id, "alive"), 1)
+    shared = {m["request_id"] for m in message_args(broker, f"infer.{tiny.id}")}
+    assert {queued_dead.request_id, running_dead.request_id} <= shared

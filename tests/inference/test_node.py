@@ -185,9 +185,10 @@ def test_a_request_past_its_deadline_is_reported_expired_without_running(tiny_ll
     assert result["error_code"] == "expired" and result["usage"]["prompt_tokens"] == 0
 
 
-def test_an_abort_on_the_control_queue_stops_a_running_request(tiny_llama_dir, broker):
+@pytest.mark.parametrize("n", [1, 2])
+def test_an_abort_on_the_control_queue_stops_a_running_request(tiny_llama_dir, broker, n):
     long = request("long", [3, 4, 5])
-    long["sampling"]["max_tokens"] = 200
+    long["sampling"].update(max_tokens=200, n=n)
     enqueue(broker, long)
     node = Node(make_engine(tiny_llama_dir), MODEL, "node-1", broker)
     deadline = time.time() + 10
@@ -211,7 +212,10 @@ def test_an_abort_on_the_control_queue_stops_a_running_request(tiny_llama_dir, b
     [result] = collect_results(broker, 1).values()
     # Stopped, and reported with what it generated so far (the control plane bills that).
     assert result["finish_reason"] == "abort" and result["error"] is None
-    assert 0 < result["usage"]["completion_tokens"] < 200
+    assert 0 < result["usage"]["completion_tokens"] < 200 * n
+    if n > 1:  # every choice stopped
+        assert [c["finish_reason"] for c in result["choices"]] == ["abort"] * n
+    assert not node.engine.has_unfinished_requests()
 
 
 def test_work_waits_in_the_broker_until_a_node_has_room(tiny_llama_dir, broker):
@@ -293,3 +297,57 @@ def test_deltas_to_one_channel_arrive_in_the_order_sent(channel_layer):
         assert async_to_sync(receive_all)() == list(range(200))
     finally:
         publisher.close()
+
+
+def test_n_choices_run_as_sequences_of_their_own_and_report_together(tiny_llama_dir, broker):
+    sampled = {"temperature": 1.0, "max_tokens": 6, "ignore_eos": True, "seed": 5, "n": 3}
+    enqueue(broker, request("several", [3, 4, 5, 6], sampling=sampled))
+    greedy = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True, "n": 2}
+    enqueue(broker, request("twice", [3, 4, 5, 6], sampling=greedy))
+    enqueue(broker, request("too-many", [3, 4], sampling={"max_tokens": 2, "n": 9}))
+    node = Node(make_engine(tiny_llama_dir, max_num_seqs=8), MODEL, "node-1", broker)
+    stop = threading.Event()
+    thread = threading.Thread(target=node.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        results = collect_results(broker, 3)
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+
+    several = results["several"]
+    assert [len(c["token_ids"]) for c in several["choices"]] == [6, 6, 6]
+    assert several["usage"]["completion_tokens"] == 18 and several["usage"]["prompt_tokens"] == 4
+    assert several["text"] == several["choices"][0]["text"]
+    # Each choice draws with seed + index: choice i equals a lone request seeded 5 + i.
+    llm = LLM(str(tiny_llama_dir), dtype="float32")
+    for index, choice in enumerate(several["choices"]):
+        alone = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, seed=5 + index)
+        assert choice["token_ids"] == llm.generate([[3, 4, 5, 6]], alone)[0].token_ids
+    twice = results["twice"]["choices"]
+    assert twice[0]["token_ids"] == twice[1]["token_ids"]
+    assert results["too-many"]["error"] and "n must be" in results["too-many"]["error"]
+    assert not node.inflight and not node.sequences
+
+
+def test_a_nul_in_generated_text_reaches_the_control_plane_as_a_replacement_character(
+    tiny_llama_dir, broker
+):
+    """PostgreSQL's jsonb cannot hold U+0000: a result with one could never be recorded."""
+    tokenizer = make_engine(tiny_llama_dir).tokenizer
+    nul = next(i for i in range(tokenizer.vocab_size) if "\x00" in tokenizer.decode([i]))
+    sampling = {"temperature": 0.0, "max_tokens": 3, "ignore_eos": True, "logprobs": True}
+    sampling["logit_bias"] = {str(nul): 100}
+    enqueue(broker, request("nul", [3, 4, 5], sampling=sampling))
+    node = Node(make_engine(tiny_llama_dir), MODEL, "node-1", broker)
+    stop = threading.Event()
+    thread = threading.Thread(target=node.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        [result] = collect_results(broker, 1).values()
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert result["token_ids"] == [nul] * 3
+    assert result["text"] == "\ufffd" * 3
+    assert [e["token"] for e in result["logprobs"]] == ["\ufffd"] * 3

@@ -2,8 +2,9 @@
 
 - Queued jobs past their deadline are expired (reads of the jobs API expire an org's own; this
   catches the rest, so `job.expired` events and webhooks go out even when nobody looks).
-- Open jobs the broker lost (a Redis restarted without persistence) are dispatched again
-  (controlplane/jobs/redelivery.py), and webhook fan-outs and attempts it lost are sent again
+- Open jobs the broker lost (a Redis restarted without persistence), and open jobs stranded in
+  the queue of a node that died, are dispatched again (controlplane/jobs/redelivery.py), and
+  webhook fan-outs and attempts it lost are sent again
   (controlplane/events/redelivery.py).
 
 Run it from cron, or with `--every 10` as a long-running process beside the worker.
@@ -19,7 +20,7 @@ from django.core.management.base import BaseCommand
 
 from controlplane.events.redelivery import resend_lost_webhooks
 from controlplane.jobs.models import Job
-from controlplane.jobs.redelivery import redeliver_lost
+from controlplane.jobs.redelivery import redeliver_lost, reroute_from_dead_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +53,12 @@ class Command(BaseCommand):
     def sweep(self, grace: float, report: bool) -> None:
         expired = Job.objects.expire_overdue()
         redelivered = redeliver_lost(grace)
+        rerouted = reroute_from_dead_nodes(grace)
         webhooks = resend_lost_webhooks(grace)
-        if expired or redelivered or webhooks or report:
+        if expired or redelivered or rerouted or webhooks or report:
             lost = "? (this broker cannot be asked)" if redelivered is None else redelivered
             self.stdout.write(
-                f"expired {expired} job(s); dispatched again {lost} job(s); "
-                f"resent {webhooks} webhook message(s)"
+                f"expired {expired} job(s); dispatched again {lost} job(s) lost with the broker "
+                f"and {rerouted} from dead nodes; resent {webhooks} webhook message(s)"
             )
             self.stdout.flush()
