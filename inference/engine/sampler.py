@@ -64,7 +64,9 @@ def sample(
     processed = logits
     constrained = [row for row, seq in enumerate(seqs) if seq.constraint is not None]
     if constrained or any(s.params.needs_penalties for s in seqs):
-        processed = logits.clone()
+        # The raw logits stay untouched only when a request wants their logprobs.
+        if any(s.params.logprobs for s in seqs):
+            processed = logits.clone()
         for row, seq in enumerate(seqs):
             if seq.params.needs_penalties:
                 processed[row] = apply_penalties(logits[row], seq)
@@ -72,10 +74,13 @@ def sample(
         bitmask = grammars.bitmask(len(constrained))
         for i, row in enumerate(constrained):
             seqs[row].constraint.fill_bitmask(bitmask, i)
-        rows = torch.tensor(constrained, dtype=torch.long)
-        masked = processed.index_select(0, rows)
-        grammars.apply(masked, bitmask)
-        processed.index_copy_(0, rows, masked)
+        if len(constrained) == len(seqs):  # every row: masked in place
+            grammars.apply(processed, bitmask)
+        else:
+            rows = torch.tensor(constrained, dtype=torch.long)
+            masked = processed.index_select(0, rows)
+            grammars.apply(masked, bitmask)
+            processed.index_copy_(0, rows, masked)
     # max().indices picks the first maximum like argmax, and is ~2.5x faster on the CPU.
     token_ids = processed.max(dim=-1).indices.tolist()
     for row, seq in enumerate(seqs):
