@@ -157,6 +157,37 @@ def test_structured_outputs_and_tool_calls_through_the_sdk(stack, long_context_m
         assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
         assert answer.usage.prompt_tokens > 0
 
+        # tool_choice "auto": the model's own call format is read back. A random model never
+        # writes one by itself, so a response format makes it write a Llama 3 style call (a
+        # whole-output {"name", "parameters"} object); plain and streamed, it becomes tool_calls.
+        llama3_call = {
+            "type": "json_schema",
+            "json_schema": {
+                "name": "llama3_call",
+                "strict": True,
+                "schema": {
+                    "type": "object",
+                    "properties": {
+                        "name": {"const": "add"},
+                        "parameters": ADD["function"]["parameters"],
+                    },
+                    "required": ["name", "parameters"],
+                },
+            },
+        }
+        auto = client.chat.completions.create(
+            model=model, messages=ASK, tools=[ADD], max_tokens=300, response_format=llama3_call,
+        )  # fmt: skip
+        assert auto.choices[0].finish_reason == "tool_calls"
+        check_calls(auto.choices[0].message.tool_calls, {"add"})
+        stream = client.chat.completions.create(
+            model=model, messages=ASK, tools=[ADD], max_tokens=300, response_format=llama3_call,
+            stream=True,
+        )  # fmt: skip
+        calls, reason, content = streamed_calls(stream)
+        assert reason == "tool_calls" and content == "" and len(calls) == 1
+        jsonschema.validate(json.loads(calls[0]["arguments"]), PARAMETERS["add"])
+
         # A queued job with forced calls carries them in its response, like the sync answer.
         job = client.post(
             "/chat/completions",
