@@ -91,6 +91,10 @@ def _session_key(model: str, session: str) -> str:
     return f"session:{model}:{digest}"
 
 
+def _prefix_key(model: str, block_hash: bytes) -> str:
+    return f"prefix:{model}:{block_hash.hex()}"
+
+
 class RedisRouteState:
     """Routing state in Redis, shared by every gateway process; keys under `prefix`."""
 
@@ -110,12 +114,11 @@ class RedisRouteState:
         """For each block hash, the node a prompt ending with that block was last sent to."""
         if not block_hashes:
             return []
-        keys = [f"{self.prefix}prefix:{model}:{h.hex()}" for h in block_hashes]
+        keys = [self.prefix + _prefix_key(model, h) for h in block_hashes]
         return [n.decode() if n is not None else None for n in self.client.mget(keys)]
 
     def remember_prefix(self, model: str, block_hash: bytes, node: str, ttl_s: float) -> None:
-        key = f"{self.prefix}prefix:{model}:{block_hash.hex()}"
-        self.client.set(key, node, px=int(ttl_s * 1000))
+        self.client.set(self.prefix + _prefix_key(model, block_hash), node, px=int(ttl_s * 1000))
 
 
 class MemoryRouteState:
@@ -150,10 +153,10 @@ class MemoryRouteState:
         self._set(_session_key(model, session), node, ttl_s)
 
     def routed_prefixes(self, model: str, block_hashes: list[bytes]) -> list[str | None]:
-        return [self._get(f"prefix:{model}:{h.hex()}") for h in block_hashes]
+        return [self._get(_prefix_key(model, h)) for h in block_hashes]
 
     def remember_prefix(self, model: str, block_hash: bytes, node: str, ttl_s: float) -> None:
-        self._set(f"prefix:{model}:{block_hash.hex()}", node, ttl_s)
+        self._set(_prefix_key(model, block_hash), node, ttl_s)
 
 
 RouteState = RedisRouteState | MemoryRouteState

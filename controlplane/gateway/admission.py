@@ -28,6 +28,7 @@ from controlplane.catalog.registry import live_nodes
 from controlplane.gateway.errors import ApiError
 from controlplane.gateway.group_commit import write_job
 from controlplane.gateway.ratelimiting import take_rate_limit
+from controlplane.gateway.responses import parses_tool_calls
 from controlplane.gateway.routing import Route, choose_route
 from controlplane.gateway.tokenization import prompt_token_ids, tokenizer_for
 from controlplane.gateway.validation import CompletionRequest, validate_completion_request
@@ -194,7 +195,7 @@ def prepare_request(body: Any, endpoint: str) -> PreparedRequest:
             404, f"The model '{request.model}' does not exist.", "model", "model_not_found"
         )
     tokenizer = tokenizer_for(model.source)
-    offered = request.tools if request.tool_choice != "none" else None
+    offered = request.tools if parses_tool_calls(body) else None
     token_ids = prompt_token_ids(tokenizer, request.messages, request.prompt, offered)
     bias = request.sampling.get("logit_bias") or {}
     if any(int(token) >= tokenizer.vocab_size for token in bias):

@@ -30,7 +30,13 @@ from django.views.decorators.csrf import csrf_exempt
 from controlplane.gateway.admission import Admission, admit
 from controlplane.gateway.errors import ApiError
 from controlplane.gateway.idempotency import idempotent
-from controlplane.gateway.responses import completion_response, stream_chunk, tool_call_id
+from controlplane.gateway.responses import (
+    completion_response,
+    node_choices,
+    parses_tool_calls,
+    stream_chunk,
+    tool_call_id,
+)
 from controlplane.jobs.models import Job
 from controlplane.jobs.serializers import job_object
 from inference.structured.tool_calls import ToolCallStream
@@ -91,12 +97,8 @@ async def _complete(request: HttpRequest, endpoint: str) -> HttpResponse:
         job.request_id,
         job.model,
         int(job.created.timestamp()),
-        done["text"],
-        done["finish_reason"],
-        done["usage"],
-        tool_calls=admission.request.tool_choice != "none",
-        logprobs=done.get("logprobs"),
-        choices=done.get("choices"),
+        done,
+        tool_calls=parses_tool_calls(job.request),
     )
     return _with_headers(
         JsonResponse(body), admission, done.get("node"), done["usage"]["cached_tokens"]
@@ -218,7 +220,7 @@ def _stream(layer, channel: str, deadline: float, admission: Admission, first: d
             if not answered:
                 _abandon(job, first.get("node"))
 
-    choices = [_ChoiceStream(request.tool_choice != "none") for _ in range(request.n)]
+    choices = [_ChoiceStream(parses_tool_calls(job.request)) for _ in range(request.n)]
 
     def relayed(index: int, text: str, last: bool = False, logprobs=None) -> Iterator[bytes]:
         """Chunks for choice `index`'s `text` (and its tokens' `logprobs`): as it is, or read
@@ -265,8 +267,7 @@ def _stream(layer, channel: str, deadline: float, admission: Admission, first: d
                 for part in relayed(index, message["text"], logprobs=message.get("logprobs")):
                     yield part
             message = await _receive(layer, channel, deadline, job)
-        finals = message.get("choices") or [message]
-        for index, final in enumerate(finals):
+        for index, final in enumerate(node_choices(message)):
             # The full text beyond the deltas relayed so far: non-empty only when the last
             # deltas were lost and the answer came from `done` or the job's row. (A lost delta
             # in the middle cannot be repaired in a stream already sent; the job keeps it all.)

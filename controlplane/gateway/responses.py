@@ -79,26 +79,24 @@ def response_id(endpoint: str, request_id: str) -> str:
     return f"{prefix}-{request_id.removeprefix('req_')}"
 
 
+def node_choices(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each choice's `text`, `finish_reason` and `logprobs` in a node's result (its `done`
+    message, or a job's `result`): `choices` when the request asked for n > 1, else the result's
+    own, which are the first choice's."""
+    return result.get("choices") or [result]
+
+
 def completion_response(
     endpoint: str,
     request_id: str,
     model: str,
     created: int,
-    text: str,
-    engine_finish_reason: str | None,
-    usage: dict[str, int],
+    result: dict[str, Any],
     tool_calls: bool = False,
-    logprobs: list[dict[str, Any]] | None = None,
-    choices: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """A `chat.completion` or `text_completion` object. With `tool_calls`, the text is read for
-    calls (parses_tool_calls): found ones become the message's `tool_calls`. `logprobs`: the
-    node's entries (inference/node/protocol.py), when the request asked for them. `choices`:
-    every choice's `text`, `finish_reason` and `logprobs` when the request asked for n > 1 (the
-    first choice is also `text`)."""
-    choices = choices or [
-        {"text": text, "finish_reason": engine_finish_reason, "logprobs": logprobs}
-    ]
+    """A `chat.completion` or `text_completion` object from a node's `result` (node_choices,
+    and its `usage`). With `tool_calls` (parses_tool_calls), each choice's text is read for
+    calls: found ones become its message's `tool_calls`."""
     return {
         "id": response_id(endpoint, request_id),
         "object": "chat.completion" if endpoint == "chat.completions" else "text_completion",
@@ -106,9 +104,9 @@ def completion_response(
         "model": model,
         "choices": [
             choice_object(endpoint, request_id, index, choice, tool_calls)
-            for index, choice in enumerate(choices)
+            for index, choice in enumerate(node_choices(result))
         ],
-        "usage": usage_object(usage),
+        "usage": usage_object(result["usage"]),
     }
 
 

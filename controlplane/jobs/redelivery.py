@@ -39,7 +39,7 @@ from controlplane.catalog.registry import live_nodes
 from controlplane.gateway.routing import choose_route
 from controlplane.jobs.models import Job
 from inference.node.keyed_messages import RECORD_SUFFIX, held_keys, keeps_keys
-from inference.node.protocol import CONTROLPLANE_QUEUE, model_queue
+from inference.node.protocol import CONTROLPLANE_QUEUE, queue_node
 
 logger = logging.getLogger(__name__)
 BATCH = 500
@@ -84,7 +84,7 @@ def reroute_from_dead_nodes(grace_s: float) -> int:
     for job in open_jobs.order_by("pk").iterator(chunk_size=BATCH):
         if job.model not in live:
             live[job.model] = {node["id"] for node in live_nodes(job.model)}
-        node = job.node if job.status == Job.RUNNING else _queue_node(job)
+        node = job.node if job.status == Job.RUNNING else queue_node(job.model, job.queue)
         if not node or node in live[job.model] or not _dispatch_again(job):
             continue
         rerouted += 1
@@ -92,14 +92,6 @@ def reroute_from_dead_nodes(grace_s: float) -> int:
             # It runs nowhere now; the node that takes the new message records itself.
             Job.objects.filter(pk=job.pk, status=Job.RUNNING, node=node).update(node="")
     return rerouted
-
-
-def _queue_node(job: Job) -> str | None:
-    """The node whose own queue holds the job; None for the model's shared queue."""
-    shared = model_queue(job.model)
-    if job.queue.startswith(shared + "."):
-        return job.queue[len(shared) + 1 :]
-    return None
 
 
 def redispatch_open() -> int:

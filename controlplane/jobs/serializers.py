@@ -24,12 +24,8 @@ def job_object(job) -> dict[str, Any]:
             job.request_id,
             job.model,
             created,
-            result["text"],
-            result["finish_reason"],
-            result["usage"],
+            result,
             tool_calls=parses_tool_calls(job.request or {}),
-            logprobs=result.get("logprobs"),
-            choices=result.get("choices"),
         )
     return {
         "id": job.id,

@@ -56,8 +56,7 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
-    finish_reason: str | None = None
-    finished: bool = False
+    finish_reason: str | None = None  # set when it finished
 
 
 @dataclass
@@ -323,9 +322,9 @@ class Node:
             )
         if not output.finished:
             return
-        choice.finished, choice.finish_reason = True, output.finish_reason
+        choice.finish_reason = output.finish_reason
         del self.sequences[output.request_id]
-        if not all(c.finished for c in flight.choices):
+        if any(c.finish_reason is None for c in flight.choices):
             return
         payload = self._payload(flight)
         # The waiting client first: the send is scheduled on the publisher's thread, while the

@@ -40,6 +40,12 @@ def node_queue(model: str, node_id: str) -> str:
     return f"infer.{model}.{node_id}"
 
 
+def queue_node(model: str, queue: str) -> str | None:
+    """The node whose own queue `queue` is (node_queue's inverse); None for the shared queue."""
+    shared = model_queue(model)
+    return queue[len(shared) + 1 :] if queue.startswith(shared + ".") else None
+
+
 def control_queue(model: str, node_id: str) -> str:
     """Queue of one node's control messages (aborts)."""
     return f"infer.{model}.{node_id}.control"

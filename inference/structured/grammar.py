@@ -50,7 +50,9 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo.from_huggingface(
             hf_tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
         )
-        self._compiler = xgr.GrammarCompiler(info, cache_enabled=True)
+        # Compiled grammars are cached here, by spec (below); xgrammar's own cache would hold
+        # them a second time.
+        self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         self._cache: dict[str, Any] = {}
         self._lock = threading.Lock()
 

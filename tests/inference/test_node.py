@@ -92,6 +92,18 @@ def collect_results(broker, count: int, timeout_s: float = 60) -> dict[str, dict
     return results
 
 
+def run_node(node: Node, broker, count: int) -> dict[str, dict]:
+    """Run `node` in a thread until `count` results are in (collect_results); then stop it."""
+    stop = threading.Event()
+    thread = threading.Thread(target=node.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        return collect_results(broker, count)
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+
+
 def request(request_id: str, prompt: list[int], **extra) -> dict:
     return {
         "request_id": request_id,
@@ -128,14 +140,9 @@ def test_node_serves_requests_streams_deltas_and_reports_results(
         publisher,
         heartbeat=lambda key, state, ttl: beats.append(state),
     )
-    stop = threading.Event()
-    thread = threading.Thread(target=node.run, args=(stop,), daemon=True)
-    thread.start()
     try:
-        results = collect_results(broker, 5)
+        results = run_node(node, broker, 5)
     finally:
-        stop.set()
-        thread.join(timeout=30)
         publisher.close()
 
     assert set(results) == {"a", "b", "c", "too-long", "bad"}
@@ -306,14 +313,7 @@ def test_n_choices_run_as_sequences_of_their_own_and_report_together(tiny_llama_
     enqueue(broker, request("twice", [3, 4, 5, 6], sampling=greedy))
     enqueue(broker, request("too-many", [3, 4], sampling={"max_tokens": 2, "n": 9}))
     node = Node(make_engine(tiny_llama_dir, max_num_seqs=8), MODEL, "node-1", broker)
-    stop = threading.Event()
-    thread = threading.Thread(target=node.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
-        results = collect_results(broker, 3)
-    finally:
-        stop.set()
-        thread.join(timeout=30)
+    results = run_node(node, broker, 3)
 
     several = results["several"]
     assert [len(c["token_ids"]) for c in several["choices"]] == [6, 6, 6]
@@ -340,14 +340,7 @@ def test_a_nul_in_generated_text_reaches_the_control_plane_as_a_replacement_char
     sampling["logit_bias"] = {str(nul): 100}
     enqueue(broker, request("nul", [3, 4, 5], sampling=sampling))
     node = Node(make_engine(tiny_llama_dir), MODEL, "node-1", broker)
-    stop = threading.Event()
-    thread = threading.Thread(target=node.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
-        [result] = collect_results(broker, 1).values()
-    finally:
-        stop.set()
-        thread.join(timeout=30)
+    [result] = run_node(node, broker, 1).values()
     assert result["token_ids"] == [nul] * 3
     assert result["text"] == "\ufffd" * 3
     assert [e["token"] for e in result["logprobs"]] == ["\ufffd"] * 3
