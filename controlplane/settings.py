@@ -281,6 +281,9 @@ WEBHOOK_RETRY_SCHEDULE_S = [
 ]
 # How often the gateway re-reads the node registry (heartbeats), in seconds.
 NODE_REGISTRY_TTL_S = env_float("HEARTH_NODE_REGISTRY_TTL_S", 0.5)
+# A node silent this long is dead: the sweeper sends its queued and running jobs elsewhere
+# (jobs/redelivery.py). Well above a heartbeat's TTL (6 s), which a long step can outlast.
+NODE_DEAD_AFTER_S = env_float("HEARTH_NODE_DEAD_AFTER_S", 30.0)
 # Routing (controlplane/gateway/routing.py): a node whose load (the larger of its sequence slots
 # and its KV blocks in use) is at or above this fraction is busy: sessions leave it and prefix
 # matches on it lose to a less loaded node. How long a session keeps its node after its last

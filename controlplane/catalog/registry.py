@@ -22,7 +22,12 @@ from typing import Any
 
 from django.conf import settings
 
-from inference.node.heartbeat import NODE_KEY_PREFIX, MemoryHeartbeat, decode_prefix_digest
+from inference.node.heartbeat import (
+    LAST_SEEN_PREFIX,
+    NODE_KEY_PREFIX,
+    MemoryHeartbeat,
+    decode_prefix_digest,
+)
 
 _lock = threading.Lock()
 _memory: MemoryHeartbeat | None = None
@@ -83,6 +88,19 @@ def live_nodes(model: str) -> list[dict[str, Any]]:
             states = _read_all()
             _cache = (now, states)
     return [s for s in states.values() if s.get("model") == model]
+
+
+def seen_within(node_ids: list[str], seconds: float) -> set[str]:
+    """Those of `node_ids` that beat in the last `seconds`, live now or not (a node inside a
+    long step misses its heartbeat's TTL but is no dead node). Embedded mode keeps no history:
+    the live ones."""
+    if _memory is not None:
+        return set(node_ids) & set(_memory.live_nodes())
+    if not settings.REDIS_URL or not node_ids:
+        return set()
+    beats = redis_client().mget([LAST_SEEN_PREFIX + node_id for node_id in node_ids])
+    now = time.time()
+    return {n for n, at in zip(node_ids, beats, strict=True) if at and now - float(at) < seconds}
 
 
 def _session_key(model: str, session: str) -> str:

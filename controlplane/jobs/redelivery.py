@@ -18,7 +18,7 @@ reply channel stays quiet).
 A node that dies strands the messages in its own queue (`infer.<model>.<node>`: affinity and
 prefix-aware routing send work there), and the broker puts back the ones it had taken in that
 same queue, which nobody else reads. `reroute_from_dead_nodes` dispatches again every open job
-queued for, or running on, a node that no longer heartbeats, to the route a new request would
+queued for, or running on, a node silent for NODE_DEAD_AFTER_S, to the route a new request would
 take (the model's shared queue: any node with room). If the node comes back, it may run its old
 copy too; whichever result comes first is recorded, once.
 
@@ -32,10 +32,11 @@ import logging
 from datetime import timedelta
 
 import dramatiq
+from django.conf import settings
 from django.db.models import F
 from django.utils import timezone
 
-from controlplane.catalog.registry import live_nodes
+from controlplane.catalog.registry import live_nodes, seen_within
 from controlplane.gateway.routing import choose_route
 from controlplane.jobs.models import Job
 from inference.node.keyed_messages import RECORD_SUFFIX, held_keys, keeps_keys
@@ -74,18 +75,21 @@ def redeliver_lost(grace_s: float) -> int | None:
 
 def reroute_from_dead_nodes(grace_s: float) -> int:
     """Dispatch again every open job, dispatched over `grace_s` ago, that waits in the queue of
-    a node without a heartbeat or runs on one; how many."""
+    a dead node or runs on one: a node that has not beaten for NODE_DEAD_AFTER_S (a node in a
+    long step misses its heartbeat's TTL, and must not have its work run twice). How many."""
     cutoff = timezone.now() - timedelta(seconds=grace_s)
     open_jobs = Job.objects.filter(
         status__in=[Job.QUEUED, Job.RUNNING], dispatched_at__lt=cutoff
     ).select_related("org")
+    jobs = [
+        (job, job.node if job.status == Job.RUNNING else queue_node(job.model, job.queue))
+        for job in open_jobs.order_by("pk").iterator(chunk_size=BATCH)
+    ]
+    named = sorted({node for _, node in jobs if node})
+    alive = seen_within(named, settings.NODE_DEAD_AFTER_S)
     rerouted = 0
-    live: dict[str, set[str]] = {}
-    for job in open_jobs.order_by("pk").iterator(chunk_size=BATCH):
-        if job.model not in live:
-            live[job.model] = {node["id"] for node in live_nodes(job.model)}
-        node = job.node if job.status == Job.RUNNING else queue_node(job.model, job.queue)
-        if not node or node in live[job.model] or not _dispatch_again(job):
+    for job, node in jobs:
+        if not node or node in alive or not _dispatch_again(job):
             continue
         rerouted += 1
         if job.status == Job.RUNNING:

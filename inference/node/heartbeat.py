@@ -19,6 +19,10 @@ from collections.abc import Iterable
 from typing import Any
 
 NODE_KEY_PREFIX = "hearth:node:"
+# When each node last beat (epoch seconds), kept a day: a node whose state key expired may only
+# be in a long step, and the sweeper tells that from a dead one by how long it has been quiet.
+LAST_SEEN_PREFIX = "hearth:node-seen:"
+LAST_SEEN_TTL_S = 24 * 3600
 DIGEST_HASH_BYTES = 8
 
 
@@ -35,13 +39,17 @@ def decode_prefix_digest(digest: str) -> frozenset[bytes]:
 
 
 class RedisHeartbeat:
-    """Writes `hearth:node:<id>` as JSON with a TTL: a node that stops beating disappears."""
+    """Writes `hearth:node:<id>` as JSON with a TTL: a node that stops beating disappears. Also
+    `hearth:node-seen:<id>`, the time of the beat."""
 
     def __init__(self, client) -> None:
         self.client = client
 
     def __call__(self, node_id: str, state: dict[str, Any], ttl_s: float) -> None:
-        self.client.set(NODE_KEY_PREFIX + node_id, json.dumps(state), px=int(ttl_s * 1000))
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(NODE_KEY_PREFIX + node_id, json.dumps(state), px=int(ttl_s * 1000))
+        pipe.set(LAST_SEEN_PREFIX + node_id, time.time(), ex=LAST_SEEN_TTL_S)
+        pipe.execute()
 
 
 class MemoryHeartbeat:

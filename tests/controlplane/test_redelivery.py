@@ -219,3 +219,34 @@ def test_jobs_stranded_with_a_dead_node_are_dispatched_again_to_the_shared_queue
     assert (queued_live.queue, queued_live.dispatches) == (node_queue(tiny.id, "alive"), 1)
     shared = {m["request_id"] for m in message_args(broker, f"infer.{tiny.id}")}
     assert {queued_dead.request_id, running_dead.request_id} <= shared
+
+
+def test_a_node_quiet_past_its_heartbeat_but_not_for_long_keeps_its_jobs(
+    broker, key_a, tiny, settings
+):
+    """On Redis: a node inside a long step outlives its heartbeat's TTL; its jobs stay until it
+    has been silent for NODE_DEAD_AFTER_S (else they would run twice)."""
+    import time
+
+    import redis
+
+    from inference.node.heartbeat import LAST_SEEN_PREFIX, RedisHeartbeat
+    from inference.node.protocol import node_queue
+
+    settings.REDIS_URL = settings.DRAMATIQ_BROKER["OPTIONS"]["url"]  # the registry on Redis
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    stalled, dead = f"stalled-{tiny.id}", f"dead-{tiny.id}"
+    RedisHeartbeat(client)(stalled, {"id": stalled, "model": tiny.id}, 0.05)
+    client.set(LAST_SEEN_PREFIX + dead, time.time() - settings.NODE_DEAD_AFTER_S - 1)
+    time.sleep(0.2)  # the stalled node's state key has expired
+    try:
+        on_stalled, on_dead = submit(key_a, tiny.id), submit(key_a, tiny.id)
+        Job.objects.filter(pk=on_stalled.pk).update(queue=node_queue(tiny.id, stalled))
+        Job.objects.filter(pk=on_dead.pk).update(queue=node_queue(tiny.id, dead))
+        assert reroute_from_dead_nodes(grace_s=0) == 1
+    finally:
+        client.delete(LAST_SEEN_PREFIX + stalled, LAST_SEEN_PREFIX + dead)
+    on_stalled.refresh_from_db()
+    on_dead.refresh_from_db()
+    assert on_stalled.queue == node_queue(tiny.id, stalled) and on_stalled.dispatches == 1
+    assert on_dead.queue == f"infer.{tiny.id}" and on_dead.dispatches == 2
