@@ -205,7 +205,7 @@ if BROKER_URL.startswith("amqp"):
     }
 elif BROKER_URL:
     DRAMATIQ_BROKER = {
-        "BROKER": "dramatiq.brokers.redis.RedisBroker",
+        "BROKER": "inference.node.keyed_messages.KeyedRedisBroker",
         "OPTIONS": {
             "url": BROKER_URL,
             "namespace": env_str("HEARTH_BROKER_NAMESPACE", "dramatiq"),

@@ -49,9 +49,9 @@ def make_broker(args: argparse.Namespace):
         from dramatiq.brokers.rabbitmq import RabbitmqBroker
 
         return RabbitmqBroker(url=url)
-    from dramatiq.brokers.redis import RedisBroker
+    from inference.node.keyed_messages import KeyedRedisBroker
 
-    return RedisBroker(
+    return KeyedRedisBroker(
         url=url,
         namespace=args.broker_namespace,
         heartbeat_timeout=args.broker_heartbeat_ms,

@@ -8,6 +8,13 @@ moment between admission and settlement one of the two is in the broker. When ne
 restarted without persistence, or failed over to a replica that lacked them), the job was lost
 with the broker and the sweep dispatches it again (controlplane/jobs/redelivery.py).
 
+A key must survive everything Dramatiq does to a message. Its Redis broker gives each enqueue a
+fresh uuid, and a retry (the Retries middleware, after an actor raised) or a delayed message's move
+from `<queue>.DQ` back to `<queue>` is an enqueue: a result whose `record_completion` failed once
+would come back under a uuid, and the sweep, finding neither key, would run its job again. So
+Hearth runs `KeyedRedisBroker`, which enqueues a message that carries its key (the `hearth_key`
+option) under that key every time, and `held_keys` looks in the delay queue too.
+
 Other brokers get a plain enqueue and cannot be asked: the in-process StubBroker loses nothing
 while its process lives, and RabbitMQ keeps durable queues on disk.
 """
@@ -16,24 +23,43 @@ from __future__ import annotations
 
 from dramatiq import Message
 from dramatiq.brokers.redis import RedisBroker
+from dramatiq.common import current_millis, dq_name
 
 RECORD_SUFFIX = ".record"
+KEY_OPTION = "hearth_key"
+
+
+class KeyedRedisBroker(RedisBroker):
+    """Dramatiq's Redis broker, except that a message carrying a key (KEY_OPTION) is stored under
+    it on every enqueue: the first, a retry's (into the delay queue) and the delay queue's
+    hand-back."""
+
+    def enqueue(self, message: Message, *, delay: int | None = None) -> Message:
+        key = message.options.get(KEY_OPTION)
+        if key is None:
+            return super().enqueue(message, delay=delay)
+        options: dict = {"redis_message_id": key}
+        queue_name = message.queue_name
+        if delay is not None:
+            queue_name = dq_name(queue_name)
+            options["eta"] = current_millis() + delay
+        message = message.copy(queue_name=queue_name, options=options)
+        self.emit_before("enqueue", message, delay)
+        self.do_enqueue(queue_name, key, message.encode())
+        self.emit_after("enqueue", message, delay)
+        return message
 
 
 def keeps_keys(broker) -> bool:
     """Whether `broker` stores messages under keys we choose and can be asked for them."""
-    return isinstance(broker, RedisBroker)
+    return isinstance(broker, KeyedRedisBroker)
 
 
 def enqueue_keyed(broker, message: Message, key: str) -> None:
-    """Enqueue `message` under `key` (Redis), or plainly (any other broker)."""
-    if not keeps_keys(broker):
-        broker.enqueue(message)
-        return
-    message = message.copy(options={"redis_message_id": key})
-    broker.emit_before("enqueue", message, None)
-    broker.do_enqueue(message.queue_name, key, message.encode())
-    broker.emit_after("enqueue", message, None)
+    """Enqueue `message` under `key` (Redis; kept through retries), or plainly (other brokers)."""
+    if keeps_keys(broker):
+        message = message.copy(options={KEY_OPTION: key})
+    broker.enqueue(message)
 
 
 def message_key(message) -> str | None:
@@ -42,11 +68,14 @@ def message_key(message) -> str | None:
 
 
 def held_keys(broker, wanted: list[tuple[str, str]]) -> list[bool] | None:
-    """For each `(queue, key)`, whether the broker still holds that message; None when the
-    broker cannot be asked (not Redis). One pipelined round trip."""
+    """For each `(queue, key)`, whether the broker still holds that message, in the queue or
+    waiting in its delay queue for a retry; None when the broker cannot be asked (not Redis).
+    One pipelined round trip."""
     if not keeps_keys(broker):
         return None
     pipeline = broker.client.pipeline(transaction=False)
     for queue, key in wanted:
         pipeline.hexists(f"{broker.namespace}:{queue}.msgs", key)
-    return [bool(found) for found in pipeline.execute()]
+        pipeline.hexists(f"{broker.namespace}:{dq_name(queue)}.msgs", key)
+    found = pipeline.execute()
+    return [bool(found[2 * i] or found[2 * i + 1]) for i in range(len(wanted))]

@@ -211,10 +211,15 @@ class Node:
 
     def _admit(self, consumer: Consumer, message: MessageProxy) -> None:
         body = message.args[0] if message.args else None
-        if isinstance(body, dict) and body.get("request_id") in self.inflight:
-            # The sweep dispatched again a job whose messages the broker lost while this node ran
-            # it: the run under way will record it.
-            consumer.ack(message)
+        running = self.inflight.get(body.get("request_id")) if isinstance(body, dict) else None
+        if running is not None:
+            # A copy of a request this node runs: the run under way will record it. A copy
+            # under a new key (the sweep dispatched again a job whose messages the broker lost)
+            # is acked. The same message again (the broker requeued it, taking this node for
+            # dead) is not: that ack would drop the running request's message from the broker,
+            # and the sweep would take it for lost; the run's own ack settles both.
+            if message_key(message) != message_key(running.message):
+                consumer.ack(message)
             return
         try:
             request = GenerationRequest.from_message(body)

@@ -5,6 +5,7 @@ way a Redis restart without persistence makes it: the broker's keys are gone."""
 from __future__ import annotations
 
 import json
+import time
 from datetime import timedelta
 
 import dramatiq
@@ -250,3 +251,32 @@ def test_a_node_quiet_past_its_heartbeat_but_not_for_long_keeps_its_jobs(
     on_dead.refresh_from_db()
     assert on_stalled.queue == node_queue(tiny.id, stalled) and on_stalled.dispatches == 1
     assert on_dead.queue == f"infer.{tiny.id}" and on_dead.dispatches == 2
+
+
+def test_a_result_whose_recording_failed_is_retried_under_its_key(broker):
+    """Dramatiq retries a message whose actor raised (Retries: into the delay queue, then back):
+    each of those is an enqueue, and the key must survive both, or the sweep would find neither
+    of a job's messages while its result waits for the retry, and run the job again."""
+    calls: list[float] = []
+
+    @dramatiq.actor(broker=broker, queue_name="hearth-retry-test", min_backoff=200, max_retries=3)
+    def flaky_record(payload: dict) -> None:
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            raise RuntimeError("a deadlock victim, say")
+
+    message = flaky_record.message({"request_id": "r"})
+    enqueue_keyed(broker, message, "r.1.record")
+    worker = dramatiq.Worker(broker, queues={"hearth-retry-test"}, worker_threads=1)
+    worker.start()
+    seen = []
+    try:
+        deadline = time.monotonic() + 20
+        while len(calls) < 2 and time.monotonic() < deadline:
+            seen.append(held_keys(broker, [("hearth-retry-test", "r.1.record")])[0])
+            time.sleep(0.005)
+        worker.join()
+    finally:
+        worker.stop()
+    assert len(calls) == 2 and all(seen), seen.count(False)
+    assert held_keys(broker, [("hearth-retry-test", "r.1.record")]) == [False]  # recorded: acked

@@ -12,7 +12,6 @@ import dramatiq
 import pytest
 import redis
 from django.conf import settings as django_settings
-from dramatiq.brokers.redis import RedisBroker
 
 from controlplane.catalog import registry
 from controlplane.catalog.registry import MemoryRouteState, RedisRouteState, live_nodes
@@ -35,6 +34,7 @@ from inference.node.heartbeat import (
     decode_prefix_digest,
     encode_prefix_digest,
 )
+from inference.node.keyed_messages import KeyedRedisBroker
 from inference.node.node import Node
 from inference.node.protocol import CONTROLPLANE_QUEUE, GENERATE_ACTOR, model_queue, node_queue
 from tests.controlplane.conftest import priced_model
@@ -263,7 +263,7 @@ def test_the_digest_keeps_8_bytes_of_each_hash():
 def test_a_real_nodes_heartbeat_routes_the_next_turn_to_it(tiny_llama_dir):
     """The node's digest and the gateway's hashes agree: same function, namespace (the org)
     and block size, through the node's own heartbeat and the registry."""
-    broker = RedisBroker(url=REDIS_URL, namespace=f"hearth-test-{uuid.uuid4().hex[:8]}")
+    broker = KeyedRedisBroker(url=REDIS_URL, namespace=f"hearth-test-{uuid.uuid4().hex[:8]}")
     engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=256))
     heartbeat = MemoryHeartbeat()
     node = Node(engine, MODEL, "node-real", broker, heartbeat=heartbeat)

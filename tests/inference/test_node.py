@@ -12,9 +12,9 @@ import dramatiq
 import pytest
 from asgiref.sync import async_to_sync
 from channels_redis.core import RedisChannelLayer
-from dramatiq.brokers.redis import RedisBroker
 
 from inference.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from inference.node.keyed_messages import KeyedRedisBroker, enqueue_keyed, held_keys
 from inference.node.node import DeltaPublisher, Node
 from inference.node.protocol import (
     ABORT_ACTOR,
@@ -32,7 +32,7 @@ MODEL = "tiny"
 
 @pytest.fixture
 def broker():
-    broker = RedisBroker(url=REDIS_URL, namespace=f"hearth-test-{uuid.uuid4().hex[:8]}")
+    broker = KeyedRedisBroker(url=REDIS_URL, namespace=f"hearth-test-{uuid.uuid4().hex[:8]}")
     yield broker
     broker.flush_all()
     broker.close()
@@ -56,16 +56,19 @@ def make_engine(model_dir, max_num_seqs=4) -> LLMEngine:
     )
 
 
-def enqueue(broker, body: dict) -> None:
-    broker.enqueue(
-        dramatiq.Message(
-            queue_name=model_queue(MODEL),
-            actor_name=GENERATE_ACTOR,
-            args=(body,),
-            kwargs={},
-            options={},
-        )
+def enqueue(broker, body: dict, key: str | None = None) -> None:
+    """A generation message for `body` on the model's queue (under `key`, as admission does)."""
+    message = dramatiq.Message(
+        queue_name=model_queue(MODEL),
+        actor_name=GENERATE_ACTOR,
+        args=(body,),
+        kwargs={},
+        options={},
     )
+    if key:
+        enqueue_keyed(broker, message, key)
+    else:
+        broker.enqueue(message)
 
 
 def collect_results(broker, count: int, timeout_s: float = 60) -> dict[str, dict]:
@@ -344,3 +347,41 @@ def test_a_nul_in_generated_text_reaches_the_control_plane_as_a_replacement_char
     assert result["token_ids"] == [nul] * 3
     assert result["text"] == "\ufffd" * 3
     assert [e["token"] for e in result["logprobs"]] == ["\ufffd"] * 3
+
+
+def test_a_running_request_the_broker_hands_back_keeps_its_message_until_it_finishes(
+    tiny_llama_dir, broker
+):
+    """The broker requeues the un-acked messages of a consumer it takes for dead; the node that
+    gets its own running request back must not ack that copy: the ack would drop the running
+    request's message (same key), and the sweep would take the job for lost and run it again."""
+    body = request("again", [3, 4, 5], attempt=1)
+    body["sampling"]["max_tokens"] = 40
+    enqueue(broker, body, "again.1")
+    node = Node(make_engine(tiny_llama_dir), MODEL, "node-1", broker)
+    deadline = time.time() + 10
+    while "again" not in node.inflight and time.time() < deadline:
+        node.pull()
+    node.step()
+    broker.do_requeue(model_queue(MODEL), "again.1")  # what the broker's maintenance does
+    while node.pull() == 0 and time.time() < deadline:
+        pass  # the copy comes back, and is taken as one more message
+    assert list(node.inflight) == ["again"] and node.engine.num_running == 1
+    assert held_keys(broker, [(model_queue(MODEL), "again.1")]) == [True]
+    results = run_node(node, broker, 1)
+    assert results["again"]["usage"]["completion_tokens"] == 40
+    assert held_keys(broker, [(model_queue(MODEL), "again.1")]) == [False]  # the run's ack
+
+
+def test_a_copy_under_a_new_key_of_a_running_request_is_acked_and_dropped(tiny_llama_dir, broker):
+    body = request("twice", [3, 4, 5])
+    body["sampling"]["max_tokens"] = 40
+    for key in ("twice.1", "twice.2"):  # the second: the sweep's dispatch under a new key
+        enqueue(broker, body, key)
+    node = Node(make_engine(tiny_llama_dir), MODEL, "node-1", broker)
+    deadline, taken = time.time() + 10, 0
+    while taken < 2 and time.time() < deadline:
+        taken += node.pull()
+    assert list(node.inflight) == ["twice"] and node.engine.num_waiting == 1  # one sequence
+    held = held_keys(broker, [(model_queue(MODEL), "twice.1"), (model_queue(MODEL), "twice.2")])
+    assert held == [True, False]
