@@ -167,26 +167,34 @@ def settle(job, cost: Decimal) -> None:
     """The job's terminal transition, inside its transaction: add `cost` to the month's counters
     of its org and key, and release what it reserved. Called once per job. One UPDATE, which
     touches no row for a scope without a counter."""
+    statement = settle_statement(job, cost)
+    if statement is not None:
+        with connection.cursor() as cursor:
+            cursor.execute(*statement)
+
+
+def settle_statement(job, cost: Decimal) -> tuple[str, list] | None:
+    """`settle`'s UPDATE and its parameters, for a caller that sends it with other statements;
+    None when there is nothing to settle (no cost, nothing reserved)."""
     released = job.reserved_cost or Decimal(0)
     if not cost and not released:
-        return
+        return None
     scopes = [ORG_SCOPE, key_scope(job.api_key_id)]
     reserved_here = [s for s in (job.budget_scopes or []) if s in scopes] or [""]
     marks = ", ".join(["%s"] * len(reserved_here))
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"UPDATE {_TABLE} SET spent = spent + {_AMOUNT}, reserved = reserved - "
-            f"CASE WHEN scope IN ({marks}) THEN {_AMOUNT} ELSE 0 END "
-            "WHERE org_id = %s AND month = %s AND scope IN (%s, %s)",
-            [
-                str(cost),
-                *reserved_here,
-                str(released),
-                job.org_id,
-                _month_value(month_of(job.created)),
-                *scopes,
-            ],
-        )
+    return (
+        f"UPDATE {_TABLE} SET spent = spent + {_AMOUNT}, reserved = reserved - "
+        f"CASE WHEN scope IN ({marks}) THEN {_AMOUNT} ELSE 0 END "
+        "WHERE org_id = %s AND month = %s AND scope IN (%s, %s)",
+        [
+            str(cost),
+            *reserved_here,
+            str(released),
+            job.org_id,
+            _month_value(month_of(job.created)),
+            *scopes,
+        ],
+    )
 
 
 def usage_this_month(org, scope: str, now: datetime | None = None) -> dict[str, str] | None:

@@ -16,26 +16,30 @@ MONEY_QUANTUM = Decimal("1e-14")
 
 
 class UsageRecordManager(models.Manager["UsageRecord"]):
-    def record(
-        self,
-        *,
-        request_id: str,
-        org,
-        api_key,
-        model: str,
-        mode: str,
-        prompt_tokens: int,
-        cached_tokens: int,
-        completion_tokens: int,
-        price: Price,
-        discount_percent: int = 0,
-    ) -> UsageRecord:
+    def record(self, **fields) -> UsageRecord:
         """Write the request's usage row: one INSERT.
 
         Call inside the transaction that settles the job, holding its row lock after checking it
         unsettled (`Job.objects.record_completion`), so row and job change together and no other
         row for the request can exist; should one, the unique `request_id` refuses the second
         (IntegrityError) rather than bill twice."""
+        record = self.build(**fields)
+        record.save(force_insert=True)
+        return record
+
+    def build(
+        self,
+        *,
+        prompt_tokens: int,
+        cached_tokens: int,
+        completion_tokens: int,
+        price: Price,
+        discount_percent: int = 0,
+        **fields,
+    ) -> UsageRecord:
+        """The usage row `record` writes, with its exact costs, unsaved (for a caller that sends
+        its INSERT together with other statements). `fields`: request_id, org (or org_id),
+        api_key (or api_key_id), model, mode."""
         costs = compute_costs(
             prompt_tokens,
             cached_tokens,
@@ -45,12 +49,7 @@ class UsageRecordManager(models.Manager["UsageRecord"]):
             price.output_per_mtok,
             discount_percent,
         )
-        return self.create(
-            request_id=request_id,
-            org=org,
-            api_key=api_key,
-            model=model,
-            mode=mode,
+        return self.model(
             prompt_tokens=prompt_tokens,
             cached_tokens=cached_tokens,
             completion_tokens=completion_tokens,
@@ -61,6 +60,7 @@ class UsageRecordManager(models.Manager["UsageRecord"]):
             output_cost=costs.output.quantize(MONEY_QUANTUM),
             total_cost=costs.total.quantize(MONEY_QUANTUM),
             cache_savings=costs.cache_savings.quantize(MONEY_QUANTUM),
+            **fields,
         )
 
 

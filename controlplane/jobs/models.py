@@ -21,7 +21,6 @@ from django.utils import timezone
 
 from controlplane.billing import budgets
 from controlplane.billing.models import UsageRecord
-from controlplane.catalog.models import price_in_effect
 from controlplane.events.models import Event
 from controlplane.gateway.metrics import count_route_tokens
 from inference.node.protocol import ABORT_ACTOR, control_queue
@@ -140,21 +139,19 @@ class JobManager(models.Manager["Job"]):
 
     def record_completion(self, payload: dict[str, Any]) -> bool:
         """Settle the job of a node's `record_completion` payload; False if it was already
-        settled (a redelivery) or is unknown."""
+        settled (a redelivery) or is unknown. Reads and writes in jobs/settling.py."""
+        from controlplane.jobs import serializers, settling  # they import this module
+
         with transaction.atomic():
-            # The row lock serialises concurrent deliveries of the same result.
-            job = (
-                self.select_for_update(of=("self",))
-                .select_related("org", "api_key")
-                .filter(request_id=payload["request_id"])
-                .first()
-            )
-            if job is None:
+            loaded = settling.lock_for_settling(payload["request_id"])
+            if loaded is None:
                 logger.warning("record_completion for unknown request %s", payload["request_id"])
                 return False
+            job, price = loaded
             if job.status in Job.TERMINAL:
                 return False
             now = timezone.now()
+            events = []
             job.node = payload.get("node") or ""
             if payload.get("error") is None and job.status == Job.QUEUED:
                 # The worker took the result before the node's `record_started` notice (they are
@@ -162,54 +159,53 @@ class JobManager(models.Manager["Job"]):
                 # the late notice finds it no longer queued.
                 job.status, job.started_at = Job.RUNNING, now
                 job.attempts += 1
-                job.save(update_fields=["status", "started_at", "node", "attempts"])
-                job.emit("job.running")
+                events.append(("job.running", serializers.job_object(job)))
             job.finished_at = now
             job.started_at = job.started_at or now
+            record, cost = None, Decimal(0)
             if payload.get("error"):
                 job.status = Job.EXPIRED if payload.get("error_code") == "expired" else Job.FAILED
                 job.error = payload["error"]
-                job.save(update_fields=[*SETTLED_FIELDS, "error"])
-                budgets.settle(job, Decimal(0))
-                job.emit(f"job.{job.status}")
-                return True
-            usage = payload["usage"]
-            price = price_in_effect(job.model, job.created)
-            record = UsageRecord.objects.record(
-                request_id=job.request_id,
-                org=job.org,
-                api_key=job.api_key,
-                model=job.model,
-                mode=job.mode,
-                prompt_tokens=usage["prompt_tokens"],
-                cached_tokens=usage["cached_tokens"],
-                completion_tokens=usage["completion_tokens"],
-                price=price,
-                discount_percent=Job.discount_percent(price, job.mode),
-            )
-            # Stopped early on purpose: billed for what it generated, settled as what stopped it.
-            job.status = Job.COMPLETED
-            if payload["finish_reason"] == "deadline":
-                job.status = Job.EXPIRED
-            elif payload["finish_reason"] == "abort" and job.cancel_requested_at is not None:
-                job.status = Job.CANCELLED
-            job.result = {
-                "text": payload["text"],
-                "token_ids": payload["token_ids"],
-                "finish_reason": payload["finish_reason"],
-                "usage": usage,
-                "cost": record.cost_object(),
-                "timings": payload.get("timings") or {},
-                "logprobs": payload.get("logprobs"),
-                "choices": payload.get("choices"),
-            }
-            job.save(update_fields=[*SETTLED_FIELDS, "result"])
-            budgets.settle(job, record.total_cost)
-            if job.route:
-                transaction.on_commit(
-                    partial(count_route_tokens, job.model, job.route, usage), robust=True
+            else:
+                usage = payload["usage"]
+                record = UsageRecord.objects.build(
+                    request_id=job.request_id,
+                    org_id=job.org_id,
+                    api_key_id=job.api_key_id,
+                    model=job.model,
+                    mode=job.mode,
+                    prompt_tokens=usage["prompt_tokens"],
+                    cached_tokens=usage["cached_tokens"],
+                    completion_tokens=usage["completion_tokens"],
+                    price=price,
+                    discount_percent=Job.discount_percent(price, job.mode),
                 )
-            job.emit(f"job.{job.status}")
+                cost = record.total_cost
+                # Stopped early on purpose: billed for what it generated, settled as what
+                # stopped it.
+                job.status = Job.COMPLETED
+                if payload["finish_reason"] == "deadline":
+                    job.status = Job.EXPIRED
+                elif payload["finish_reason"] == "abort" and job.cancel_requested_at is not None:
+                    job.status = Job.CANCELLED
+                job.result = {
+                    "text": payload["text"],
+                    "token_ids": payload["token_ids"],
+                    "finish_reason": payload["finish_reason"],
+                    "usage": usage,
+                    "cost": record.cost_object(),
+                    "timings": payload.get("timings") or {},
+                    "logprobs": payload.get("logprobs"),
+                    "choices": payload.get("choices"),
+                }
+                if job.route:
+                    transaction.on_commit(
+                        partial(count_route_tokens, job.model, job.route, usage), robust=True
+                    )
+            events.append((f"job.{job.status}", serializers.job_object(job)))
+            settling.write_settlement(job, record, cost, events)
+            if job.batch_id is not None:
+                Batch.objects.job_settled(job)  # after the event: see Job.emit
             return True
 
 
