@@ -75,55 +75,69 @@ class JobManager(models.Manager["Job"]):
         return jobs
 
     def record_started(self, payload: dict[str, Any]) -> bool:
-        """A node took the job's request: queued → running (one event however often), and one
-        more attempt counted. A job already settled (cancelled or expired while it waited), or
-        started more than JOB_MAX_ATTEMPTS times (its request keeps killing nodes), is stopped on
-        that node instead; past the attempts it is failed."""
-        node = payload.get("node") or ""
+        """One start notice (`record_starts`); whether it started the job."""
+        return self.record_starts(payload.get("node") or "", [payload])[0]
+
+    def record_starts(self, node: str, starts: list[dict[str, Any]]) -> list[bool]:
+        """A node took these jobs' requests (a node sends the starts of one pull together):
+        queued → running (one event however often), and one more attempt counted; for each,
+        whether this notice started it. A job already settled (cancelled or expired while it
+        waited), or started more than JOB_MAX_ATTEMPTS times (its request keeps killing nodes),
+        is stopped on that node instead; past the attempts it is failed."""
+        from controlplane.jobs.serializers import job_object
+
+        request_ids = [start["request_id"] for start in starts]
         with transaction.atomic():
-            job = self._claim_queued(payload["request_id"], node)
-            if job is not None:
-                job.emit("job.running")
-        started = job is not None
-        if job is None:  # not queued: a late or repeated notice, or a redelivery after a crash
-            job = self.select_related("org").filter(request_id=payload["request_id"]).first()
-            if job is None:
-                return False
-            started = job.start(node=node, attempt=payload.get("attempt"))
-        if job.attempts > settings.JOB_MAX_ATTEMPTS:
-            job.fail(f"the request was started {job.attempts - 1} times and never finished")
-        if job.status in Job.TERMINAL:
-            job.abort_on(node)
+            claimed = self._claim_queued(request_ids, node)
+            if claimed:
+                Event.objects.emit_all(
+                    [(job.org, "job.running", job_object(job)) for job in claimed.values()]
+                )
+        started = []
+        for start in starts:
+            job = claimed.get(start["request_id"])
+            started.append(job is not None)
+            if job is None:  # not queued: a late or repeated notice, a redelivery after a crash
+                job = self.select_related("org").filter(request_id=start["request_id"]).first()
+                if job is None:
+                    continue
+                started[-1] = job.start(node=node, attempt=start.get("attempt"))
+            if job.attempts > settings.JOB_MAX_ATTEMPTS:
+                job.fail(f"the request was started {job.attempts - 1} times and never finished")
+            if job.status in Job.TERMINAL:
+                job.abort_on(node)
         return started
 
-    def _claim_queued(self, request_id: str, node: str) -> Job | None:
-        """The common start, queued → running on `node` with one more attempt, as one statement
-        that returns the job and its org (what `Job.start` does in a SELECT, an UPDATE and a
-        refresh); None when the job is not queued (or unknown), and on SQLite, which has no
-        UPDATE in a WITH: there `Job.start` does it."""
+    def _claim_queued(self, request_ids: list[str], node: str) -> dict[str, Job]:
+        """The common start, queued → running on `node` with one more attempt, for every job
+        of `request_ids` that is queued, as one statement that returns them with their orgs
+        (what `Job.start` does in a SELECT, an UPDATE and a refresh each), by request id. Empty
+        on SQLite, which has no UPDATE in a WITH: there `Job.start` does it."""
         from controlplane.accounts.models import Org
 
         if connection.vendor != "postgresql":
-            return None
+            return {}
         job_fields, org_fields = Job._meta.concrete_fields, Org._meta.concrete_fields
         columns = [f'claimed."{f.column}"' for f in job_fields]
         columns += [f'o."{f.column}"' for f in org_fields]
         with connection.cursor() as cursor:
             cursor.execute(
                 f"WITH claimed AS (UPDATE {Job._meta.db_table} SET status = %s, started_at = %s, "
-                "node = %s, attempts = attempts + 1 WHERE request_id = %s AND status = %s "
+                "node = %s, attempts = attempts + 1 WHERE request_id = ANY(%s) AND status = %s "
                 f"RETURNING *) SELECT {', '.join(columns)} FROM claimed "
                 f"JOIN {Org._meta.db_table} o ON o.id = claimed.org_id",
-                [Job.RUNNING, timezone.now(), node, request_id, Job.QUEUED],
+                [Job.RUNNING, timezone.now(), node, request_ids, Job.QUEUED],
             )
-            row = cursor.fetchone()
-        if row is None:
-            return None
-        job_values = _from_db(job_fields, row[: len(job_fields)])
-        org_values = _from_db(org_fields, row[len(job_fields) :])
-        job = Job.from_db(connection.alias, [f.attname for f in job_fields], job_values)
-        job.org = Org.from_db(connection.alias, [f.attname for f in org_fields], org_values)
-        return job
+            rows = cursor.fetchall()
+        claimed = {}
+        for row in rows:
+            job_values = _from_db(job_fields, row[: len(job_fields)])
+            org_values = _from_db(org_fields, row[len(job_fields) :])
+            job = Job.from_db(connection.alias, [f.attname for f in job_fields], job_values)
+            job.org = Org.from_db(connection.alias, [f.attname for f in org_fields], org_values)
+            claimed[job.request_id] = job
+        # The events in the notice's order (RETURNING's order is not the list's).
+        return {rid: claimed[rid] for rid in request_ids if rid in claimed}
 
     def expire_overdue(self, org=None, limit: int = 500) -> int:
         """Queued jobs past their deadline → expired, each once with its event; returns how

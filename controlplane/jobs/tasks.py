@@ -20,5 +20,6 @@ def record_completion(payload: dict) -> None:
 
 @dramatiq.actor(actor_name=RECORD_STARTED_ACTOR, queue_name=CONTROLPLANE_QUEUE)
 def record_started(payload: dict) -> None:
-    """A node took a job's request: mark it running (once; a late notice is a no-op)."""
-    Job.objects.record_started(payload)
+    """A node took jobs' requests: mark them running (once; a late notice is a no-op). The
+    payload lists the starts of one pull (`starts`), or is a single start (an older node's)."""
+    Job.objects.record_starts(payload.get("node") or "", payload.get("starts") or [payload])

@@ -170,6 +170,7 @@ class Node:
         # Engine sequence id → its request and choice index (sequence_id).
         self.sequences: dict[str, tuple[_InFlight, int]] = {}
         self.unrecorded: list[tuple[dict[str, Any], _InFlight]] = []
+        self.unsent_starts: list[dict[str, Any]] = []  # send_starts
         self.recorded_late = 0
         # The node's own queue first: affinity traffic must not wait behind the shared queue.
         queues = [node_queue(model, node_id), model_queue(model)]
@@ -207,6 +208,7 @@ class Node:
                     break
                 self._admit(consumer, message)
                 taken += 1
+        self.send_starts()
         return taken
 
     def _admit(self, consumer: Consumer, message: MessageProxy) -> None:
@@ -253,15 +255,18 @@ class Node:
         self.inflight[request.request_id] = flight
         for index, engine_id in enumerate(added):
             self.sequences[engine_id] = (flight, index)
-        self._enqueue(
-            RECORD_STARTED_ACTOR,
-            {
-                "request_id": request.request_id,
-                "job_id": request.job_id,
-                "attempt": request.attempt,
-                "node": self.node_id,
-            },
+        self.unsent_starts.append(
+            {"request_id": request.request_id, "job_id": request.job_id, "attempt": request.attempt}
         )
+
+    def send_starts(self) -> None:
+        """The start notices of the requests admitted since the last call, as one message (the
+        worker marks them running in one statement); kept for the next call while the broker
+        is down. Sent before any of their results."""
+        if self.unsent_starts:
+            payload = {"node": self.node_id, "starts": self.unsent_starts}
+            self._enqueue(RECORD_STARTED_ACTOR, payload)
+            self.unsent_starts = []
 
     def _reject(self, consumer, message, body, error: InvalidRequestError) -> None:
         """A request the engine can never serve: report it failed, and do not redeliver it."""
@@ -378,6 +383,7 @@ class Node:
     def send_unrecorded(self) -> None:
         """Record the results finished while the broker was away, then ack their messages (an
         ack of a message the broker no longer holds is a no-op)."""
+        self.send_starts()
         while self.unrecorded:
             payload, flight = self.unrecorded[0]
             self._record(payload, flight.message)

@@ -226,3 +226,26 @@ def test_a_start_announces_the_job_as_it_is_stored(org_a, smollm2):
         "node-7",
         1,
     )
+
+
+def test_a_notice_of_a_pulls_starts_runs_each_queued_job_once_in_order(
+    org_a, smollm2, django_capture_on_commit_callbacks
+):
+    """A node sends the starts of one pull together: the queued jobs start in one statement
+    with their events in the notice's order; a job cancelled while it waited is stopped on the
+    node instead, an unknown request is skipped, and a repeat starts nothing."""
+    first, second, cancelled = make_job(org_a), make_job(org_a), make_job(org_a)
+    cancelled.cancel()
+    starts = [{"request_id": job.request_id, "attempt": 1} for job in (second, cancelled, first)]
+    starts.insert(2, {"request_id": "req_unknown", "attempt": 1})
+    with django_capture_on_commit_callbacks(execute=True):
+        assert Job.objects.record_starts("node-3", starts) == [True, False, False, True]
+        assert Job.objects.record_starts("node-3", starts) == [False, False, False, False]
+    for job in (first, second):
+        job.refresh_from_db()
+        assert (job.status, job.node, job.attempts) == (Job.RUNNING, "node-3", 1)
+        assert event_types(job) == ["job.queued", "job.running"]
+    running = Event.objects.filter(type="job.running").order_by("sequence")
+    assert [event.data["id"] for event in running] == [second.id, first.id]
+    assert control_messages(MODEL, "node-3") == [{"request_id": cancelled.request_id}] * 2
+    assert event_types(cancelled) == ["job.queued", "job.cancelled"]

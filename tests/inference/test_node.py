@@ -82,11 +82,13 @@ def collect_results(broker, count: int, timeout_s: float = 60) -> dict[str, dict
         message = next(consumer)
         if message is None:
             continue
-        request_id = message.args[0]["request_id"]
         if message.actor_name == RECORD_STARTED_ACTOR:
-            started.add(request_id)
+            # The starts of one pull, in one notice.
+            assert message.args[0]["node"]
+            started.update(start["request_id"] for start in message.args[0]["starts"])
         else:
             assert message.actor_name == RECORD_COMPLETION_ACTOR
+            request_id = message.args[0]["request_id"]
             if not message.args[0]["error"]:
                 assert request_id in started, "record_started must precede the result"
             results[request_id] = message.args[0]
