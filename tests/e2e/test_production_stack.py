@@ -161,6 +161,9 @@ def test_a_client_that_hangs_up_mid_stream_stops_its_generation(stack, tiny_llam
     try:
         wait_for(lambda: Job.objects.get(pk=job.pk).status == Job.CANCELLED, what="cancelled")
     except Exception:
+        # Where it stopped: still running (the cancel never came), or completed (it came late).
+        settled = Job.objects.get(pk=job.pk)
+        print(settled.status, settled.node, settled.cancel_requested_at, settled.finished_at)
         print(stack.outputs())
         raise
     job.refresh_from_db()
