@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +41,8 @@ from controlplane.gateway.responses import (
 from controlplane.jobs.models import Job
 from controlplane.jobs.serializers import job_object
 from inference.structured.tool_calls import ToolCallStream
+
+logger = logging.getLogger(__name__)
 
 # Admissions run in a pool of their own, wider than asyncio's default (cores + 4): an admission
 # spends most of its time waiting (on Redis, and on its group's commit: group_commit.py), and the
@@ -140,7 +143,14 @@ async def _receive(layer, channel: str, deadline: float, job: Job) -> dict:
 def _abandon(job: Job, node: str | None) -> None:
     """The client hung up: cancel its job, without waiting (the view is being cancelled).
     `node`: where the stream said it runs, if it said."""
-    asyncio.get_running_loop().run_in_executor(None, _cancel_abandoned, job, node)
+    future = asyncio.get_running_loop().run_in_executor(None, _cancel_abandoned, job, node)
+    future.add_done_callback(_log_failed_cancel)
+
+
+def _log_failed_cancel(future: asyncio.Future) -> None:
+    """Nobody awaits the cancel of an abandoned job: say when it failed, or it fails unseen."""
+    if not future.cancelled() and future.exception() is not None:
+        logger.error("cancel of an abandoned job failed", exc_info=future.exception())
 
 
 def _cancel_abandoned(job: Job, node: str | None) -> None:
