@@ -44,9 +44,21 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
 
-    def cached_block_hashes(self) -> list[bytes]:
-        """Every hash the prefix cache can currently serve (for node heartbeats)."""
-        return list(self.cached_blocks)
+    def cached_block_hashes(self, limit: int | None = None) -> list[bytes]:
+        """The hashes the prefix cache can serve now (for node heartbeats); at most `limit`:
+        those of blocks in use first, then free ones, most recently freed first. Those are the
+        last the cache would evict, and a sequence frees its head blocks last, so a prefix's
+        head stays in before its tail."""
+        if limit is None or len(self.cached_blocks) <= limit:
+            return list(self.cached_blocks)
+        chosen = [h for h, b in self.cached_blocks.items() if self.blocks[b].ref_count > 0]
+        for block_id in reversed(self.free_block_ids):
+            if len(chosen) >= limit:
+                break
+            block_hash = self.blocks[block_id].block_hash
+            if block_hash is not None and self.cached_blocks.get(block_hash) == block_id:
+                chosen.append(block_hash)
+        return chosen[:limit]
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix of `seq`, never covering its last token."""

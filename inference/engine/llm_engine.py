@@ -175,10 +175,11 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
         )
 
-    def cached_block_hashes(self) -> list[bytes]:
-        """Every prefix block hash this engine's cache can serve now (for prefix-aware routing:
-        the gateway computes a prompt's hashes with `compute_block_hashes`)."""
-        return self.block_manager.cached_block_hashes()
+    def cached_block_hashes(self, limit: int | None = None) -> list[bytes]:
+        """The prefix block hashes this engine's cache can serve now, at most `limit` (for
+        prefix-aware routing: the gateway computes a prompt's hashes with
+        `compute_block_hashes`; BlockManager.cached_block_hashes says which come first)."""
+        return self.block_manager.cached_block_hashes(limit)
 
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -7,6 +7,11 @@ beats 44 KB instead of 139 KB). Two different prefixes that agree on 64 bits mak
 route a prompt as if its prefix were cached; the engine compares the full hash on admission, so
 such a collision (about 1e-12 for a 100-block prompt against 4,096 cached blocks) costs one miss,
 never a wrong answer.
+
+The digest holds at most DIGEST_MAX_BLOCKS hashes (8,192: 87 KB of JSON, 131,072 tokens at 16 a
+block): a GPU's cache holds hundreds of thousands of blocks, and every gateway process reads
+every heartbeat. Past the bound it names the blocks in use, then the most recently freed ones
+(BlockManager.cached_block_hashes): the last the cache would evict.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ NODE_KEY_PREFIX = "hearth:node:"
 LAST_SEEN_PREFIX = "hearth:node-seen:"
 LAST_SEEN_TTL_S = 24 * 3600
 DIGEST_HASH_BYTES = 8
+DIGEST_MAX_BLOCKS = 8192
 
 
 def encode_prefix_digest(block_hashes: Iterable[bytes]) -> str:

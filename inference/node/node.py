@@ -27,7 +27,7 @@ from inference.engine.llm_engine import LLMEngine
 from inference.engine.outputs import RequestOutput, Timings
 from inference.engine.sampling_params import SamplingParams
 from inference.errors import InvalidRequestError, RequestExpiredError
-from inference.node.heartbeat import encode_prefix_digest
+from inference.node.heartbeat import DIGEST_MAX_BLOCKS, encode_prefix_digest
 from inference.node.keyed_messages import RECORD_SUFFIX, enqueue_keyed, message_key
 from inference.node.protocol import (
     ABORT_ACTOR,
@@ -452,7 +452,9 @@ class Node:
             "waiting": stats.num_waiting,
             "free_slots": self.free_slots(),
             "max_num_seqs": self.engine.config.max_num_seqs,
-            "cached_prefix_digest": encode_prefix_digest(self.engine.cached_block_hashes()),
+            "cached_prefix_digest": encode_prefix_digest(
+                self.engine.cached_block_hashes(DIGEST_MAX_BLOCKS)
+            ),
             "at": time.time(),
         }
         self.heartbeat(self.node_id, state, self.heartbeat_interval_s * 3)

@@ -98,3 +98,32 @@ def test_allocation_fails_cleanly_when_blocks_run_out():
     manager.admit(s, [])
     assert not manager.allocate_slots(s, 12)
     assert s.block_table == [] and manager.num_free_blocks == 2
+
+
+def test_a_bounded_digest_names_blocks_in_use_then_the_most_recently_freed_heads_first():
+    """The heartbeat's digest is bounded (heartbeat.DIGEST_MAX_BLOCKS): past the bound it keeps
+    what the cache would evict last."""
+    manager = BlockManager(num_blocks=32, block_size=BS)
+    old, recent, running = (
+        seq(list(range(start, start + 9)), request_id=f"r{start}") for start in (100, 200, 300)
+    )
+    for s in (old, recent):  # each registers 2 full blocks, then ends
+        run_prefill(manager, s)
+    old_hashes, recent_hashes = list(old.block_table[:2]), list(recent.block_table[:2])
+    manager.free(old)
+    manager.free(recent)
+    run_prefill(manager, running)  # still running: its blocks are in use
+    hashes = {block_id: manager.blocks[block_id].block_hash for block_id in range(32)}
+    in_use = [hashes[b] for b in running.block_table[:2]]
+    assert sorted(manager.cached_block_hashes()) == sorted(
+        [*in_use, *(hashes[b] for b in old_hashes + recent_hashes)]
+    )
+    assert manager.cached_block_hashes(limit=6) == manager.cached_block_hashes()
+    # Blocks in use, then the recent request's head before its tail; the old one is left out.
+    assert manager.cached_block_hashes(limit=4) == [
+        *in_use,
+        hashes[recent_hashes[0]],
+        hashes[recent_hashes[1]],
+    ]
+    assert manager.cached_block_hashes(limit=3) == [*in_use, hashes[recent_hashes[0]]]
+    assert manager.cached_block_hashes(limit=1) == in_use[:1]
