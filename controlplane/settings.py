@@ -284,6 +284,9 @@ NODE_REGISTRY_TTL_S = env_float("HEARTH_NODE_REGISTRY_TTL_S", 0.5)
 # A node silent this long is dead: the sweeper sends its queued and running jobs elsewhere
 # (jobs/redelivery.py). Well above a heartbeat's TTL (6 s), which a long step can outlast.
 NODE_DEAD_AFTER_S = env_float("HEARTH_NODE_DEAD_AFTER_S", 30.0)
+# `GET /metrics` asks for `Authorization: Bearer <this>` when it is set (Prometheus's
+# `authorization` setting sends it); unset, it is open, for a scraper on the private network.
+METRICS_TOKEN = env_str("HEARTH_METRICS_TOKEN")
 # Routing (controlplane/gateway/routing.py): a node whose load (the larger of its sequence slots
 # and its KV blocks in use) is at or above this fraction is busy: sessions leave it and prefix
 # matches on it lose to a less loaded node. How long a session keeps its node after its last

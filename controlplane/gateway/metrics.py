@@ -9,6 +9,7 @@ read by every gateway; in embedded mode they live in the process, which runs bot
 
 from __future__ import annotations
 
+import hmac
 import threading
 from collections import defaultdict
 from typing import Any
@@ -17,6 +18,7 @@ from django.conf import settings
 from django.http import HttpResponse
 
 from controlplane.catalog.registry import ROUTE_KEY_PREFIX, redis_client
+from controlplane.gateway.errors import ApiError
 
 TOKENS_KEY_PREFIX = ROUTE_KEY_PREFIX + "tokens:"
 FIELDS = ("requests", "prompt_tokens", "cached_tokens")
@@ -89,6 +91,13 @@ def prometheus_text() -> str:
 
 
 def metrics(request) -> HttpResponse:
-    """`GET /metrics`: for the operator's Prometheus; it names models and counts tokens of every
-    org, so keep it off the public network (like the admin)."""
+    """`GET /metrics`: for the operator's Prometheus. It names models and counts tokens of every
+    org: with HEARTH_METRICS_TOKEN set it answers only that bearer token (401 otherwise);
+    without, keep it off the public network (like the admin)."""
+    if settings.METRICS_TOKEN:
+        sent = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(sent.encode(), settings.METRICS_TOKEN.encode()):
+            return ApiError(
+                401, "GET /metrics needs the metrics token as a bearer token.", code="invalid_token"
+            ).response()
     return HttpResponse(prometheus_text(), content_type="text/plain; version=0.0.4; charset=utf-8")

@@ -399,3 +399,14 @@ def test_admission_stores_the_route_decision_on_the_job(org_a, key_a, tiny, clie
         registry.use_memory_heartbeat(None)
         for node in ("node-1", "node-2"):
             dramatiq.get_broker().flush(node_queue("tiny", node))
+
+
+def test_metrics_answer_only_the_metrics_token_when_one_is_set(client, settings):
+    settings.METRICS_TOKEN = "m3trics-t0ken"
+    assert client.get("/metrics").status_code == 401
+    wrong = client.get("/metrics", HTTP_AUTHORIZATION="Bearer not-it")
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_token"
+    right = client.get("/metrics", HTTP_AUTHORIZATION="Bearer m3trics-t0ken")
+    assert right.status_code == 200 and "hearth_route_requests_total" in right.content.decode()
+    settings.METRICS_TOKEN = ""
+    assert client.get("/metrics").status_code == 200  # unset: open, for the private network
