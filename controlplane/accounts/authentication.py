@@ -22,18 +22,24 @@ class ApiKeyPrincipal:
 MISSING_KEY_MESSAGE = "You didn't provide an API key: use 'Authorization: Bearer <api key>'."
 
 
+def bearer_token(header: str) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header; None for any other header."""
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
 def principal_from_header(header: str) -> ApiKeyPrincipal:
     """The principal behind an `Authorization` header; raises KeyRejected (401) otherwise.
 
     Shared by the DRF class below and the async completion views, which DRF does not run."""
     if not header:
         raise KeyRejected(MISSING_KEY_MESSAGE, "missing_api_key")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
+    token = bearer_token(header)
+    if token is None:
         raise KeyRejected(
             "Malformed Authorization header: expected 'Bearer <api key>'.", "invalid_api_key"
         )
-    key = ApiKey.objects.authenticate(token.strip())
+    key = ApiKey.objects.authenticate(token)
     return ApiKeyPrincipal(org=key.org, api_key=key)
 
 

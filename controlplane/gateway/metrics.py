@@ -17,6 +17,7 @@ from typing import Any
 from django.conf import settings
 from django.http import HttpResponse
 
+from controlplane.accounts.authentication import bearer_token
 from controlplane.catalog.registry import ROUTE_KEY_PREFIX, redis_client
 from controlplane.gateway.errors import ApiError
 
@@ -95,7 +96,7 @@ def metrics(request) -> HttpResponse:
     org: with HEARTH_METRICS_TOKEN set it answers only that bearer token (401 otherwise);
     without, keep it off the public network (like the admin)."""
     if settings.METRICS_TOKEN:
-        sent = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        sent = bearer_token(request.headers.get("Authorization", "")) or ""
         if not hmac.compare_digest(sent.encode(), settings.METRICS_TOKEN.encode()):
             return ApiError(
                 401, "GET /metrics needs the metrics token as a bearer token.", code="invalid_token"

@@ -41,6 +41,22 @@ def new_request_id() -> str:
 SETTLED_FIELDS = ["status", "node", "started_at", "finished_at"]
 
 
+def instances_from_row(row, models_in_row) -> list[Any]:
+    """One loaded instance per model of a raw row that holds each model's concrete columns in
+    turn (a hand-written join); None for a model whose columns are all NULL (an outer join
+    that found nothing)."""
+    instances = []
+    for model in models_in_row:
+        fields = model._meta.concrete_fields
+        values, row = row[: len(fields)], row[len(fields) :]
+        if all(value is None for value in values):
+            instances.append(None)
+            continue
+        names = [f.attname for f in fields]
+        instances.append(model.from_db(connection.alias, names, _from_db(fields, values)))
+    return instances
+
+
 def _from_db(fields, row) -> list[Any]:
     """A raw row's values as the ORM would load them (JSON parsed, and so on)."""
     values = []
@@ -131,10 +147,7 @@ class JobManager(models.Manager["Job"]):
             rows = cursor.fetchall()
         claimed = {}
         for row in rows:
-            job_values = _from_db(job_fields, row[: len(job_fields)])
-            org_values = _from_db(org_fields, row[len(job_fields) :])
-            job = Job.from_db(connection.alias, [f.attname for f in job_fields], job_values)
-            job.org = Org.from_db(connection.alias, [f.attname for f in org_fields], org_values)
+            job, job.org = instances_from_row(row, [Job, Org])
             claimed[job.request_id] = job
         # The events in the notice's order (RETURNING's order is not the list's).
         return {rid: claimed[rid] for rid in request_ids if rid in claimed}

@@ -24,7 +24,7 @@ from controlplane.billing import budgets
 from controlplane.billing.models import UsageRecord
 from controlplane.catalog.models import Price, price_in_effect
 from controlplane.events.models import Event
-from controlplane.jobs.models import SETTLED_FIELDS, Job, _from_db
+from controlplane.jobs.models import SETTLED_FIELDS, Job, instances_from_row
 
 # What settling writes to the job row, besides SETTLED_FIELDS.
 WRITTEN_FIELDS = [*SETTLED_FIELDS, "attempts", "error", "result"]
@@ -38,7 +38,7 @@ def lock_for_settling(request_id: str) -> tuple[Job, Price | None] | None:
         job = job.first()
         return None if job is None else (job, price_in_effect(job.model, job.created))
     parts = [(Job, "j"), (Org, "o"), (Price, "p")]
-    columns = [f'{alias}."{f.column}"' for model, alias in parts for f in _fields(model)]
+    columns = [f'{a}."{f.column}"' for model, a in parts for f in model._meta.concrete_fields]
     with connection.cursor() as cursor:
         cursor.execute(
             f"SELECT {', '.join(columns)} FROM {Job._meta.db_table} j "
@@ -52,17 +52,7 @@ def lock_for_settling(request_id: str) -> tuple[Job, Price | None] | None:
         row = cursor.fetchone()
     if row is None:
         return None
-    loaded = []
-    for model, _ in parts:
-        fields = _fields(model)
-        values, row = row[: len(fields)], row[len(fields) :]
-        if model is Price and values[0] is None:  # no price in effect
-            loaded.append(None)
-            continue
-        names = [f.attname for f in fields]
-        loaded.append(model.from_db(connection.alias, names, _from_db(fields, values)))
-    job, org, price = loaded
-    job.org = org
+    job, job.org, price = instances_from_row(row, [Job, Org, Price])  # price None: none in effect
     return job, price
 
 
@@ -90,10 +80,6 @@ def write_settlement(
     Event.objects.emit_all([(job.org, type, data) for type, data in events], first=(sql, params))
     if record is not None:
         record._state.adding, record._state.db = False, connection.alias
-
-
-def _fields(model) -> list:
-    return list(model._meta.concrete_fields)
 
 
 def _insert(row) -> tuple[str, list[Any]]:
