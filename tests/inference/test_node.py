@@ -243,6 +243,34 @@ def test_work_waits_in_the_broker_until_a_node_has_room(tiny_llama_dir, broker):
     assert len(other.inflight) == 2 and len(busy.inflight) == 1
 
 
+def test_a_busy_node_asks_a_queue_it_found_empty_again_only_after_busy_poll_ms(
+    tiny_llama_dir, broker
+):
+    """A busy node does not fetch from an empty queue at every step; an idle one always asks."""
+    long = request("long", [3, 4, 5])
+    long["sampling"].update(max_tokens=200)
+    enqueue(broker, long)
+    node = Node(make_engine(tiny_llama_dir), MODEL, "node-1", broker, busy_poll_ms=60_000)
+    deadline = time.time() + 10
+    while "long" not in node.inflight and time.time() < deadline:
+        node.pull()
+    assert node.pull() == 0  # busy, and both queues found empty now
+    enqueue(broker, request("next", [3, 4, 6]))
+    node.step()
+    assert node.pull() == 0 and "next" not in node.inflight  # not asked again yet
+    node.busy_poll_s = 0  # the interval has passed
+    while "next" not in node.inflight and time.time() < deadline:
+        node.pull()
+    assert "next" in node.inflight
+
+    idle = Node(make_engine(tiny_llama_dir), MODEL, "node-2", broker, busy_poll_ms=60_000)
+    assert idle.pull() == 0  # found empty, but idle: the next pull asks again
+    enqueue(broker, request("idle", [3, 4, 7]))
+    while "idle" not in idle.inflight and time.time() < deadline:
+        idle.pull()
+    assert "idle" in idle.inflight
+
+
 def test_node_process_serves_heartbeats_and_stops_on_sigterm(tiny_llama_dir, broker):
     import json
     import signal
