@@ -10,12 +10,12 @@ from __future__ import annotations
 import logging
 import secrets
 from decimal import Decimal
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 import dramatiq
 from django.conf import settings
-from django.db import connection, models, transaction
+from django.db import connection, connections, models, transaction
 from django.db.models.sql import InsertQuery
 from django.utils import timezone
 
@@ -52,19 +52,31 @@ def instances_from_row(row, models_in_row) -> list[Any]:
         if all(value is None for value in values):
             instances.append(None)
             continue
-        names = [f.attname for f in fields]
-        instances.append(model.from_db(connection.alias, names, _from_db(fields, values)))
+        names, converters = _loading(connections[connection.alias], model)
+        instances.append(model.from_db(connection.alias, names, _from_db(converters, values)))
     return instances
 
 
-def _from_db(fields, row) -> list[Any]:
-    """A raw row's values as the ORM would load them (JSON parsed, and so on)."""
+@lru_cache(maxsize=64)
+def _loading(wrapper, model) -> tuple[list[str], list[tuple[Any, list]]]:
+    """The attribute names of `model`'s concrete fields, and each column with the converters
+    the ORM applies when it loads a row through `wrapper` (a thread's connection, not the
+    thread-local proxy): JSON parsed, and so on. Found once per connection and model: working
+    them out for every row cost the worker an eighth of its CPU (bench/job_queue.py)."""
+    fields = model._meta.concrete_fields
+    converters = []
+    for field in fields:
+        column = field.get_col(model._meta.db_table)
+        converts = wrapper.ops.get_db_converters(column)
+        converters.append((column, converts + column.get_db_converters(wrapper)))
+    return [f.attname for f in fields], converters
+
+
+def _from_db(converters, row) -> list[Any]:
+    """A raw row's values as the ORM would load them."""
     values = []
-    for field, value in zip(fields, row, strict=True):
-        column = field.get_col(field.model._meta.db_table)
-        for convert in connection.ops.get_db_converters(column) + column.get_db_converters(
-            connection
-        ):
+    for (column, converts), value in zip(converters, row, strict=True):
+        for convert in converts:
             value = convert(value, column, connection)
         values.append(value)
     return values
