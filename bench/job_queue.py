@@ -149,6 +149,56 @@ def cpu_seconds(pids: list[int]) -> float:
     return sum(t for pid, t in times.items() if within(pid))
 
 
+def service_cpu_seconds(names: tuple[str, ...]) -> float:
+    """CPU time (user + system) of every process whose command name is one of `names` (the
+    shared PostgreSQL and Redis servers, which are no children of ours)."""
+    total = 0.0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        if name in names:
+            fields = stat.rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine spent busy (all cores; /proc/stat, idle and iowait out)."""
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(
+        int, Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
+    )
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_snapshot(parts: dict[str, list[int]]) -> dict[str, float]:
+    """CPU seconds so far of each part of the stack, the services, the clients (this process)
+    and the machine."""
+    return {
+        **{name: cpu_seconds(pids) for name, pids in parts.items()},
+        "postgres": service_cpu_seconds(("postgres",)),
+        "redis": service_cpu_seconds(("redis-server",)),
+        "clients": time.process_time(),
+        "machine": machine_busy_seconds(),
+    }
+
+
+def submission_breakdown(before: dict, after: dict, jobs: int, seconds: float) -> dict:
+    """CPU milliseconds per accepted job of each part during the submission phase, what the
+    machine spent besides them, and how many cores were busy: on 2 cores the submission rate
+    can be no more than 2,000 ms / the machine's ms per job."""
+    spent = {name: (after[name] - before[name]) * 1000 / max(1, jobs) for name in before}
+    parts = {name: round(ms, 2) for name, ms in spent.items() if name != "machine"}
+    parts["unaccounted"] = round(spent["machine"] - sum(parts.values()), 2)
+    parts["machine"] = round(spent["machine"], 2)
+    parts["cores_busy"] = round((after["machine"] - before["machine"]) / seconds, 2)
+    return parts
+
+
 def run(args, group_commit: bool) -> dict:
     """One stack, one submission phase, every job settled: the figures of the JSON line, and
     the gateway's CPU milliseconds per accepted job during the submission phase."""
@@ -177,12 +227,16 @@ def run(args, group_commit: bool) -> dict:
         }
         cpu_before = cpu_seconds(gateway)
         others_before = {name: cpu_seconds(pids) for name, pids in others.items()}
+        snapshot = cpu_snapshot({"gateway": gateway, **others})
         start = time.perf_counter()
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
         submit_s = time.perf_counter() - start
+        breakdown = submission_breakdown(
+            snapshot, cpu_snapshot({"gateway": gateway, **others}), len(accepted), submit_s
+        )
         gateway_cpu_s = cpu_seconds(gateway) - cpu_before
         log("waiting for every job to settle")
         settle(accepted, args.settle_timeout)
@@ -207,6 +261,7 @@ def run(args, group_commit: bool) -> dict:
             f"{name}_cpu_ms_per_job": round(cpu_s * 1000 / max(1, len(accepted)), 2)
             for name, cpu_s in others_cpu_s.items()
         },
+        "submission_cpu_ms_per_job": breakdown,
         **figures,
     }
 
@@ -256,6 +311,8 @@ def main() -> int:
         before = "" if baseline is None else baseline[name]
         print(f"{label:<20}{figures[name]!s:>12}{before!s:>12}{target:>10}")
     print("(baseline: the same run's stack with HEARTH_GROUP_COMMIT=0)")
+    print("CPU ms per accepted job during the submission phase, by part:")
+    print("  " + "  ".join(f"{k} {v}" for k, v in figures["submission_cpu_ms_per_job"].items()))
     (REPO_ROOT / "bench" / "results").mkdir(exist_ok=True)
     (REPO_ROOT / "bench" / "results" / "queue.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result))
