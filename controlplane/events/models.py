@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from functools import partial
 from typing import Any
 
 from django.db import connection, models, transaction
@@ -76,8 +77,7 @@ class EventManager(models.Manager["Event"]):
                 for row in rows:
                     row.fan_out_pending = webhooks[row.org_id]
                 self.bulk_create(rows)
-        for event in rows:
-            _announce_on_commit(event)
+        _announce_on_commit(rows)
         return rows
 
 
@@ -116,17 +116,25 @@ def _insert_in_one_round_trip(rows: list[Event], first: tuple[str, list[Any]] | 
         row._state.adding, row._state.db = False, connection.alias
 
 
-def _announce_on_commit(event: Event) -> None:
-    """Push the event once its row commits; and have the worker fan it out to the org's webhook
-    endpoints, if it had any when written."""
-    org_pk, message, sequence = event.org_id, event.as_message(), event.sequence
-    transaction.on_commit(lambda: push_to_org(org_pk, message, sequence))
-    if event.fan_out_pending:
-        # The worker creates the deliveries; a broker outage must not fail the caller (the
-        # sweep fans out what stays pending: controlplane/events/redelivery.py).
-        from controlplane.events.tasks import fan_out_event  # the actors import this module
+def _announce_on_commit(events: list[Event]) -> None:
+    """Once the rows commit, push one announcement per org (a group commit's or a pull's
+    events cost one channel-layer send, not one each); and have the worker fan each event out
+    to the org's webhook endpoints, if it had any when written."""
+    announced: dict[int, tuple[list[str], int]] = {}
+    for event in events:
+        types, last = announced.get(event.org_id, ([], 0))
+        if event.type not in types:
+            types.append(event.type)
+        announced[event.org_id] = (types, max(last, event.sequence))
+    for org_pk, (types, sequence) in announced.items():
+        transaction.on_commit(partial(push_to_org, org_pk, types, sequence))
+    for event in events:
+        if event.fan_out_pending:
+            # The worker creates the deliveries; a broker outage must not fail the caller (the
+            # sweep fans out what stays pending: controlplane/events/redelivery.py).
+            from controlplane.events.tasks import fan_out_event  # the actors import this module
 
-        transaction.on_commit(lambda: fan_out_event.send(sequence), robust=True)
+            transaction.on_commit(partial(fan_out_event.send, event.sequence), robust=True)
 
 
 class Event(models.Model):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any
 
 from channels.layers import get_channel_layer
 
@@ -48,12 +47,14 @@ def org_group(org_id: int) -> str:
     return f"org.{org_id}"
 
 
-def push_to_org(org_id: int, event: dict[str, Any], sequence: int | None = None) -> None:
-    """Best effort: the event row is already committed, so a lost push loses nothing.
+def push_to_org(org_id: int, types: list[str], sequence: int | None = None) -> None:
+    """Best effort: the events are already committed, so a lost push loses nothing.
 
-    `sequence` (the row's, not part of the client-visible event) lets a listener that has
-    already read past it from the database skip the push."""
+    One push announces everything a transaction wrote for the org: the `types` of its events
+    (a stream filtered by type wakes only for its own) and the highest `sequence` (not part of
+    any client-visible event), which lets a listener that has already read past it skip the
+    push. Listeners read the events themselves from the log."""
     publisher = _get_publisher()
     if publisher is not None:
-        message = {"type": "event.message", "event": event, "sequence": sequence}
+        message = {"type": "event.message", "types": types, "sequence": sequence}
         publisher.group_send(org_group(org_id), message)

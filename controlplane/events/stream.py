@@ -72,9 +72,9 @@ class EventCursor:
         return cls(org_id, sequence, types)
 
     def is_news(self, push: dict[str, Any]) -> bool:
-        """Whether a push on the org's group may announce an event this cursor has not read.
-        A push without `sequence` is treated as news."""
-        if self.types is not None and push["event"]["type"] not in self.types:
+        """Whether a push on the org's group may announce an event this cursor has not read
+        (push_to_org). A push without `sequence` is treated as news."""
+        if self.types is not None and self.types.isdisjoint(push.get("types") or ()):
             return False
         sequence = push.get("sequence")
         return sequence is None or sequence > self.sequence

@@ -4,6 +4,7 @@ live ones; nothing of another org, ever."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from urllib.parse import urlencode
@@ -363,3 +364,35 @@ def test_an_orgs_events_commit_in_sequence_order(org_a, org_b):
     for thread in (holder, second):
         thread.join(5)
     assert done["first"].sequence < done["second"].sequence
+
+
+def test_one_transaction_announces_its_events_once_per_org(org_a, org_b):
+    """A group commit's events (several jobs, two orgs) cost one push per org, which names
+    their types and the highest sequence; a stream filtered to other types ignores it."""
+    emit_all = database_sync_to_async(Event.objects.emit_all)
+
+    async def scenario():
+        layer = get_channel_layer()
+        channels = {}
+        for org in (org_a, org_b):
+            channels[org.pk] = await layer.new_channel()
+            await layer.group_add(org_group(org.pk), channels[org.pk])
+        rows = await emit_all(
+            [
+                (org_a, "job.queued", {}),
+                (org_b, "job.queued", {}),
+                (org_a, "job.queued", {}),
+                (org_a, "job.running", {}),
+            ]
+        )
+        for org, types in ((org_a, ["job.queued", "job.running"]), (org_b, ["job.queued"])):
+            push = await asyncio.wait_for(layer.receive(channels[org.pk]), 5)
+            assert push["types"] == types
+            assert push["sequence"] == max(r.sequence for r in rows if r.org_id == org.pk)
+            with pytest.raises(TimeoutError):  # and only one
+                await asyncio.wait_for(layer.receive(channels[org.pk]), 0.3)
+            cursor = stream.EventCursor(org.pk, 0, frozenset({"job.completed"}))
+            assert not cursor.is_news(push)
+            assert stream.EventCursor(org.pk, 0, frozenset({"job.queued"})).is_news(push)
+
+    run(scenario)
