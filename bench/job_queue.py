@@ -204,7 +204,7 @@ def run(args, group_commit: bool) -> dict:
     the gateway's CPU milliseconds per accepted job during the submission phase."""
     os.environ["HEARTH_GROUP_COMMIT"] = "1" if group_commit else "0"
     stack, key, model_id = start_stack(
-        args.postgres, args.redis, 64, 1, args.gateway_workers, nice=args.nice
+        args.postgres, args.redis, args.max_num_seqs, 1, args.gateway_workers, nice=args.nice
     )
     accepted: list[str] = []
     try:
@@ -274,6 +274,7 @@ def main() -> int:
     parser.add_argument("--postgres", default="postgres://postgres@127.0.0.1:5432")
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--gateway-workers", type=int, default=1, help="uvicorn processes")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="the node's sequences")
     parser.add_argument(
         "--nice",
         type=int,

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import date, datetime
 from decimal import Decimal
+from typing import Any
 
 from django.db import connection, models
 from django.db.models import Sum
@@ -176,25 +177,46 @@ def settle(job, cost: Decimal) -> None:
 def settle_statement(job, cost: Decimal) -> tuple[str, list] | None:
     """`settle`'s UPDATE and its parameters, for a caller that sends it with other statements;
     None when there is nothing to settle (no cost, nothing reserved)."""
-    released = job.reserved_cost or Decimal(0)
-    if not cost and not released:
-        return None
-    scopes = [ORG_SCOPE, key_scope(job.api_key_id)]
-    reserved_here = [s for s in (job.budget_scopes or []) if s in scopes] or [""]
-    marks = ", ".join(["%s"] * len(reserved_here))
-    return (
-        f"UPDATE {_TABLE} SET spent = spent + {_AMOUNT}, reserved = reserved - "
-        f"CASE WHEN scope IN ({marks}) THEN {_AMOUNT} ELSE 0 END "
-        "WHERE org_id = %s AND month = %s AND scope IN (%s, %s)",
-        [
-            str(cost),
-            *reserved_here,
-            str(released),
-            job.org_id,
-            _month_value(month_of(job.created)),
-            *scopes,
-        ],
-    )
+    statements = settle_statements([(job, cost)])
+    return statements[0] if statements else None
+
+
+def settle_statements(settled: list[tuple[Any, Decimal]]) -> list[tuple[str, list]]:
+    """The UPDATEs that settle several `(job, cost)` at once: one per org, month, key and
+    reserved scopes, with their costs and reservations added up (a settling transaction of many
+    jobs of one org updates its counter rows once, not once per job), in a fixed order, as
+    every settling transaction takes the rows' locks."""
+    groups: dict[tuple, list[Decimal]] = {}
+    for job, cost in settled:
+        released = job.reserved_cost or Decimal(0)
+        if not cost and not released:
+            continue
+        scopes = (ORG_SCOPE, key_scope(job.api_key_id))
+        reserved_here = tuple(s for s in (job.budget_scopes or []) if s in scopes) or ("",)
+        group = groups.setdefault(
+            (job.org_id, month_of(job.created), scopes, reserved_here), [Decimal(0), Decimal(0)]
+        )
+        group[0] += cost
+        group[1] += released
+    statements = []
+    for (org_id, month, scopes, reserved_here), (cost, released) in sorted(groups.items()):
+        marks = ", ".join(["%s"] * len(reserved_here))
+        statements.append(
+            (
+                f"UPDATE {_TABLE} SET spent = spent + {_AMOUNT}, reserved = reserved - "
+                f"CASE WHEN scope IN ({marks}) THEN {_AMOUNT} ELSE 0 END "
+                "WHERE org_id = %s AND month = %s AND scope IN (%s, %s)",
+                [
+                    str(cost),
+                    *reserved_here,
+                    str(released),
+                    org_id,
+                    _month_value(month),
+                    *scopes,
+                ],
+            )
+        )
+    return statements
 
 
 def usage_this_month(org, scope: str, now: datetime | None = None) -> dict[str, str] | None:

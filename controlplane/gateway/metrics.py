@@ -27,22 +27,23 @@ _lock = threading.Lock()
 _memory: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
 
 
-def count_route_tokens(model: str, decision: str, usage: dict[str, Any]) -> None:
-    """Add one completed request's prompt and cached tokens to its decision's counters."""
-    amounts = {
-        "requests": 1,
-        "prompt_tokens": int(usage.get("prompt_tokens") or 0),
-        "cached_tokens": int(usage.get("cached_tokens") or 0),
-    }
+def count_route_tokens(completed: list[tuple[str, str, dict[str, Any]]]) -> None:
+    """Add completed requests' prompt and cached tokens to their decisions' counters; each is
+    `(model, decision, usage)`. One Redis round trip for all of them."""
+    amounts: dict[tuple[str, str], int] = defaultdict(int)
+    for model, decision, usage in completed:
+        amounts[model, f"{decision}:requests"] += 1
+        amounts[model, f"{decision}:prompt_tokens"] += int(usage.get("prompt_tokens") or 0)
+        amounts[model, f"{decision}:cached_tokens"] += int(usage.get("cached_tokens") or 0)
     if settings.REDIS_URL:
         pipe = redis_client().pipeline(transaction=False)
-        for field, amount in amounts.items():
-            pipe.hincrby(TOKENS_KEY_PREFIX + model, f"{decision}:{field}", amount)
+        for (model, field), amount in amounts.items():
+            pipe.hincrby(TOKENS_KEY_PREFIX + model, field, amount)
         pipe.execute()
         return
     with _lock:
-        for field, amount in amounts.items():
-            _memory[model][f"{decision}:{field}"] += amount
+        for (model, field), amount in amounts.items():
+            _memory[model][field] += amount
 
 
 def route_counters() -> dict[str, dict[str, dict[str, int]]]:

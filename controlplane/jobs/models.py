@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from dataclasses import dataclass
 from decimal import Decimal
 from functools import lru_cache, partial
 from typing import Any
@@ -177,75 +178,130 @@ class JobManager(models.Manager["Job"]):
         return expired
 
     def record_completion(self, payload: dict[str, Any]) -> bool:
-        """Settle the job of a node's `record_completion` payload; False if it was already
-        settled (a redelivery) or is unknown. Reads and writes in jobs/settling.py."""
-        from controlplane.jobs import serializers, settling  # they import this module
+        """Settle the job of one node result (`record_completions`); False if it was already
+        settled (a redelivery) or is unknown."""
+        return self.record_completions([payload])[0]
 
-        with transaction.atomic():
-            loaded = settling.lock_for_settling(payload["request_id"])
+    def record_completions(self, payloads: list[dict[str, Any]]) -> list[bool]:
+        """Settle the jobs of node results (a node sends what one engine step finished
+        together) and bill them; for each, whether it settled its job (False: already settled,
+        a redelivery, or unknown). One transaction for all of them. If it fails (a deadlock's
+        victim, a result that cannot be recorded), each goes in a transaction of its own, so
+        one bad result holds up none of the others; the first error is raised after them, for
+        Dramatiq to deliver the message again (what settled then settles nothing)."""
+        if len(payloads) > 1:
+            try:
+                with transaction.atomic():
+                    return self._settle(payloads)
+            except Exception:
+                logger.warning("settling %d results together failed", len(payloads), exc_info=True)
+        settled, failure = [], None
+        for payload in payloads:
+            try:
+                with transaction.atomic():
+                    settled += self._settle([payload])
+            except Exception as error:
+                failure = failure or error
+                settled.append(False)
+        if failure is not None:
+            raise failure
+        return settled
+
+    def _settle(self, payloads: list[dict[str, Any]]) -> list[bool]:
+        """`record_completions` inside the caller's transaction: the jobs under their row locks
+        (serialising concurrent deliveries of one result), then every write at once. Reads and
+        writes in jobs/settling.py."""
+        from controlplane.jobs import settling  # it imports this module
+
+        locked = settling.lock_for_settling([payload["request_id"] for payload in payloads])
+        now = timezone.now()
+        settled, settlements = [], []
+        for payload in payloads:
+            loaded = locked.get(payload["request_id"])
             if loaded is None:
                 logger.warning("record_completion for unknown request %s", payload["request_id"])
-                return False
-            job, price = loaded
-            if job.status in Job.TERMINAL:
-                return False
-            now = timezone.now()
-            events = []
-            job.node = payload.get("node") or ""
-            if payload.get("error") is None and job.status == Job.QUEUED:
-                # The worker took the result before the node's `record_started` notice (they are
-                # separate messages): the job did run, so it passes through running here, and
-                # the late notice finds it no longer queued.
-                job.status, job.started_at = Job.RUNNING, now
-                job.attempts += 1
-                events.append(("job.running", serializers.job_object(job)))
-            job.finished_at = now
-            job.started_at = job.started_at or now
-            record, cost = None, Decimal(0)
-            if payload.get("error"):
-                job.status = Job.EXPIRED if payload.get("error_code") == "expired" else Job.FAILED
-                job.error = payload["error"]
-            else:
-                usage = payload["usage"]
-                record = UsageRecord.objects.build(
-                    request_id=job.request_id,
-                    org_id=job.org_id,
-                    api_key_id=job.api_key_id,
-                    model=job.model,
-                    mode=job.mode,
-                    prompt_tokens=usage["prompt_tokens"],
-                    cached_tokens=usage["cached_tokens"],
-                    completion_tokens=usage["completion_tokens"],
-                    price=price,
-                    discount_percent=Job.discount_percent(price, job.mode),
-                )
-                cost = record.total_cost
-                # Stopped early on purpose: billed for what it generated, settled as what
-                # stopped it.
-                job.status = Job.COMPLETED
-                if payload["finish_reason"] == "deadline":
-                    job.status = Job.EXPIRED
-                elif payload["finish_reason"] == "abort" and job.cancel_requested_at is not None:
-                    job.status = Job.CANCELLED
-                job.result = {
-                    "text": payload["text"],
-                    "token_ids": payload["token_ids"],
-                    "finish_reason": payload["finish_reason"],
-                    "usage": usage,
-                    "cost": record.cost_object(),
-                    "timings": payload.get("timings") or {},
-                    "logprobs": payload.get("logprobs"),
-                    "choices": payload.get("choices"),
-                }
-                if job.route:
-                    transaction.on_commit(
-                        partial(count_route_tokens, job.model, job.route, usage), robust=True
-                    )
-            events.append((f"job.{job.status}", serializers.job_object(job)))
-            settling.write_settlement(job, record, cost, events)
-            if job.batch_id is not None:
-                Batch.objects.job_settled(job)  # after the event: see Job.emit
-            return True
+            job = None if loaded is None else loaded[0]
+            # Terminal: settled before, or earlier in this same list (a result twice).
+            settled.append(job is not None and job.status not in Job.TERMINAL)
+            if settled[-1]:
+                settlements.append(_settlement(job, loaded[1], payload, now))
+        settling.write_settlements(settlements)
+        for settlement in settlements:
+            if settlement.job.batch_id is not None:
+                Batch.objects.job_settled(settlement.job)  # after the events: see Job.emit
+        routed = [
+            (s.job.model, s.job.route, s.job.result["usage"])
+            for s in settlements
+            if s.job.route and s.record is not None
+        ]
+        if routed:
+            transaction.on_commit(partial(count_route_tokens, routed), robust=True)
+        return settled
+
+
+@dataclass
+class Settlement:
+    """What settling one job writes: the job as settled, its usage row (None: nothing billed),
+    the cost the budgets settle, and its events (type, data)."""
+
+    job: Job
+    record: UsageRecord | None
+    cost: Decimal
+    events: list[tuple[str, dict[str, Any]]]
+
+
+def _settlement(job: Job, price, payload: dict[str, Any], now) -> Settlement:
+    """Decide how a node's result settles `job` (open, locked) at `price`; changes `job`."""
+    from controlplane.jobs import serializers  # it imports this module
+
+    events = []
+    job.node = payload.get("node") or ""
+    if payload.get("error") is None and job.status == Job.QUEUED:
+        # The worker took the result before the node's `record_started` notice (they are
+        # separate messages): the job did run, so it passes through running here, and the late
+        # notice finds it no longer queued.
+        job.status, job.started_at = Job.RUNNING, now
+        job.attempts += 1
+        events.append(("job.running", serializers.job_object(job)))
+    job.finished_at = now
+    job.started_at = job.started_at or now
+    record, cost = None, Decimal(0)
+    if payload.get("error"):
+        job.status = Job.EXPIRED if payload.get("error_code") == "expired" else Job.FAILED
+        job.error = payload["error"]
+    else:
+        usage = payload["usage"]
+        record = UsageRecord.objects.build(
+            request_id=job.request_id,
+            org_id=job.org_id,
+            api_key_id=job.api_key_id,
+            model=job.model,
+            mode=job.mode,
+            prompt_tokens=usage["prompt_tokens"],
+            cached_tokens=usage["cached_tokens"],
+            completion_tokens=usage["completion_tokens"],
+            price=price,
+            discount_percent=Job.discount_percent(price, job.mode),
+        )
+        cost = record.total_cost
+        # Stopped early on purpose: billed for what it generated, settled as what stopped it.
+        job.status = Job.COMPLETED
+        if payload["finish_reason"] == "deadline":
+            job.status = Job.EXPIRED
+        elif payload["finish_reason"] == "abort" and job.cancel_requested_at is not None:
+            job.status = Job.CANCELLED
+        job.result = {
+            "text": payload["text"],
+            "token_ids": payload["token_ids"],
+            "finish_reason": payload["finish_reason"],
+            "usage": usage,
+            "cost": record.cost_object(),
+            "timings": payload.get("timings") or {},
+            "logprobs": payload.get("logprobs"),
+            "choices": payload.get("choices"),
+        }
+    events.append((f"job.{job.status}", serializers.job_object(job)))
+    return Settlement(job, record, cost, events)
 
 
 class Job(models.Model):

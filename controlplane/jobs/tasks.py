@@ -5,17 +5,22 @@ from __future__ import annotations
 import dramatiq
 
 from controlplane.jobs.models import Job
+from inference.node.keyed_messages import forget_results
 from inference.node.protocol import (
     CONTROLPLANE_QUEUE,
     RECORD_COMPLETION_ACTOR,
     RECORD_STARTED_ACTOR,
+    results_of,
 )
 
 
 @dramatiq.actor(actor_name=RECORD_COMPLETION_ACTOR, queue_name=CONTROLPLANE_QUEUE)
 def record_completion(payload: dict) -> None:
-    """A node's result: settle the job and bill it, exactly once however often it arrives."""
-    Job.objects.record_completion(payload)
+    """A node's results (the ones an engine step finished, or one): settle each job and bill
+    it, exactly once however often they arrive; then drop their entries from the broker's index
+    of results (inference/node/keyed_messages.py)."""
+    Job.objects.record_completions(results_of(payload))
+    forget_results(dramatiq.get_broker(), payload.get("answered") or [])
 
 
 @dramatiq.actor(actor_name=RECORD_STARTED_ACTOR, queue_name=CONTROLPLANE_QUEUE)

@@ -4,12 +4,15 @@ Work waits in the broker, not in the node: a message is taken only while the eng
 and waiting requests stay below its `max_num_seqs`, so another node with room can take the
 rest. A message is acked only after its `record_completion` is enqueued, so a node that dies
 mid-request leaves it to be redelivered (at least once); the control plane makes the effects
-exactly once.
+exactly once. Results and start notices are reported in groups: what finished (or started)
+within `report_ms` goes in one message, and the answered messages are acked in one round trip;
+an engine that runs out of work reports at once, so a lone request waits for nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -28,7 +31,13 @@ from inference.engine.outputs import RequestOutput, Timings
 from inference.engine.sampling_params import SamplingParams
 from inference.errors import InvalidRequestError, RequestExpiredError
 from inference.node.heartbeat import DIGEST_MAX_BLOCKS, encode_prefix_digest
-from inference.node.keyed_messages import RECORD_SUFFIX, enqueue_keyed, message_key
+from inference.node.keyed_messages import (
+    RECORD_SUFFIX,
+    ack_all,
+    enqueue_keyed,
+    enqueue_results,
+    message_key,
+)
 from inference.node.protocol import (
     ABORT_ACTOR,
     CONTROLPLANE_QUEUE,
@@ -157,6 +166,7 @@ class Node:
         role: str = "unified",
         poll_ms: int = 4,
         busy_poll_ms: int = 20,
+        report_ms: int = 50,
         heartbeat_interval_s: float = 2.0,
     ) -> None:
         self.engine = engine
@@ -170,8 +180,11 @@ class Node:
         self.inflight: dict[str, _InFlight] = {}
         # Engine sequence id → its request and choice index (sequence_id).
         self.sequences: dict[str, tuple[_InFlight, int]] = {}
+        self.finished: list[tuple[dict[str, Any], _InFlight]] = []  # record_finished
         self.unrecorded: list[tuple[dict[str, Any], _InFlight]] = []
         self.unsent_starts: list[dict[str, Any]] = []  # send_starts
+        self.report_s = report_ms / 1000
+        self._finished_since = self._starts_since = 0.0  # when the oldest unsent one came
         self.recorded_late = 0
         # The node's own queue first: affinity traffic must not wait behind the shared queue.
         queues = [node_queue(model, node_id), model_queue(model)]
@@ -217,7 +230,7 @@ class Node:
                     break
                 self._admit(consumer, message)
                 taken += 1
-        self.send_starts()
+        self.send_starts(force=False)
         return taken
 
     def _admit(self, consumer: Consumer, message: MessageProxy) -> None:
@@ -264,15 +277,28 @@ class Node:
         self.inflight[request.request_id] = flight
         for index, engine_id in enumerate(added):
             self.sequences[engine_id] = (flight, index)
+        if not self.unsent_starts:
+            self._starts_since = time.monotonic()
         self.unsent_starts.append(
             {"request_id": request.request_id, "job_id": request.job_id, "attempt": request.attempt}
         )
 
-    def send_starts(self) -> None:
-        """The start notices of the requests admitted since the last call, as one message (the
-        worker marks them running in one statement); kept for the next call while the broker
-        is down. Sent before any of their results."""
-        if self.unsent_starts:
+    def _report_due(self, since: float, pending: int) -> bool:
+        """Whether reports held since `since` go now: after `report_ms`, when as many wait as
+        the engine runs at once, or when the engine has nothing left to run."""
+        return (
+            time.monotonic() - since >= self.report_s
+            or pending >= self.engine.config.max_num_seqs
+            or not self.engine.has_unfinished_requests()
+        )
+
+    def send_starts(self, force: bool = True) -> None:
+        """The start notices not sent yet, as one message (the worker marks them running in one
+        statement); unless `force`, only once they are due (_report_due). Kept for the next call
+        while the broker is down. Sent before any of their results."""
+        if not self.unsent_starts:
+            return
+        if force or self._report_due(self._starts_since, len(self.unsent_starts)):
             payload = {"node": self.node_id, "starts": self.unsent_starts}
             self._enqueue(RECORD_STARTED_ACTOR, payload)
             self.unsent_starts = []
@@ -313,6 +339,7 @@ class Node:
             found = self.sequences.get(output.request_id)
             if found is not None:
                 self._handle(*found, output)
+        self.record_finished()
 
     def _handle(self, flight: _InFlight, index: int, output: RequestOutput) -> None:
         choice = flight.choices[index]
@@ -351,13 +378,26 @@ class Node:
         if channel and self.publisher:
             self.publisher.send(channel, {"type": "done", **payload})
         del self.inflight[flight.request.request_id]
-        try:
-            self._record(payload, flight.message)
-        except BROKER_DOWN:
-            # Kept, with its message unacked, until the broker is back (send_unrecorded).
-            self.unrecorded.append((payload, flight))
+        if not self.finished:
+            self._finished_since = time.monotonic()
+        self.finished.append((payload, flight))
+
+    def record_finished(self, force: bool = False) -> None:
+        """Report the finished requests together once they are due (_report_due) or `force`,
+        their start notices first, then ack the messages they answer; kept, their messages
+        unacked, until the broker is back (send_unrecorded)."""
+        if not self.finished or not (
+            force or self._report_due(self._finished_since, len(self.finished))
+        ):
             return
-        flight.consumer.ack(flight.message)
+        self.send_starts()
+        finished, self.finished = self.finished, []
+        try:
+            self._record_all(finished)
+        except BROKER_DOWN:
+            self.unrecorded.extend(finished)
+            return
+        ack_all(self.broker, [(flight.consumer, flight.message) for _, flight in finished])
 
     def _payload(self, flight: _InFlight) -> dict[str, Any]:
         """The `record_completion` of a request whose choices all finished: the first choice's
@@ -392,13 +432,30 @@ class Node:
     def send_unrecorded(self) -> None:
         """Record the results finished while the broker was away, then ack their messages (an
         ack of a message the broker no longer holds is a no-op)."""
+        if not self.unrecorded:
+            self.send_starts(force=False)  # kept while the broker was down, once due
+            return
         self.send_starts()
-        while self.unrecorded:
-            payload, flight = self.unrecorded[0]
+        pending = self.unrecorded
+        self._record_all(pending)
+        self.unrecorded = []
+        self.recorded_late += len(pending)
+        ack_all(self.broker, [(flight.consumer, flight.message) for _, flight in pending])
+
+    def _record_all(self, finished: list[tuple[dict[str, Any], _InFlight]]) -> None:
+        """One `record_completion` message for these results (protocol.results_of); a single
+        one goes as before, under its own key."""
+        if len(finished) == 1:
+            [(payload, flight)] = finished
             self._record(payload, flight.message)
-            self.unrecorded.pop(0)
-            self.recorded_late += 1
-            flight.consumer.ack(flight.message)
+            return
+        answered = [key for _, flight in finished if (key := message_key(flight.message))]
+        body = {
+            "node": self.node_id,
+            "results": [payload for payload, _ in finished],
+            "answered": answered,
+        }
+        enqueue_results(self.broker, self._message(RECORD_COMPLETION_ACTOR, body), answered)
 
     def _record(self, payload: dict[str, Any], message: MessageProxy) -> None:
         """The result, keyed after the message it answers (keyed_messages), so the sweep can
@@ -406,14 +463,17 @@ class Node:
         key = message_key(message)
         self._enqueue(RECORD_COMPLETION_ACTOR, payload, key and key + RECORD_SUFFIX)
 
-    def _enqueue(self, actor_name: str, payload: dict[str, Any], key: str | None = None) -> None:
-        message = dramatiq.Message(
+    def _message(self, actor_name: str, payload: dict[str, Any]) -> dramatiq.Message:
+        return dramatiq.Message(
             queue_name=CONTROLPLANE_QUEUE,
             actor_name=actor_name,
             args=(payload,),
             kwargs={},
             options={},
         )
+
+    def _enqueue(self, actor_name: str, payload: dict[str, Any], key: str | None = None) -> None:
+        message = self._message(actor_name, payload)
         if key:
             enqueue_keyed(self.broker, message, key)
         else:
@@ -493,6 +553,8 @@ class Node:
                     self.step()
                 else:
                     stop.wait(BROKER_RETRY_S)
+        with contextlib.suppress(*BROKER_DOWN):  # unacked, they are run again elsewhere
+            self.record_finished(force=True)
         for request_id in list(self.inflight):
             self._abort(request_id)
         for consumer in [*self.consumers, self.control]:

@@ -5,7 +5,9 @@ Generation requests arrive as Dramatiq messages for the actor `generate` on the 
 `request_id`, `job_id`, `org` (the prefix-cache namespace), `prompt_token_ids`, `sampling`
 (SamplingParams fields, plus `n`: how many completions), `reply_channel` (None for async
 work), `deadline` (epoch seconds or None), `attempt`. Results leave as `record_completion`
-messages on the control plane's queue.
+messages on the control plane's queue: the results a node's engine step finished travel
+together, as `{"node", "results": [payload, …]}` (one broker message and one settling transaction
+for all of them); a single payload (`completion_payload`) is still accepted (`results_of`).
 
 Each node also reads a control queue of its own, `infer.<model>.<node>.control`: `abort`
 messages (`{"request_id"}`) stop a request it runs (a cancelled job, or one past its attempts).
@@ -134,6 +136,12 @@ def completion_payload(
         "timings": dataclasses.asdict(timings),
         "logprobs": logprobs,
     }
+
+
+def results_of(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The result payloads a `record_completion` message carries: its `results`, or the message
+    itself when it is a single one."""
+    return body.get("results", [body])
 
 
 def storable_text(text: str) -> str:

@@ -37,22 +37,25 @@ def submit(key: str, model: str, max_tokens: int, queue: bool = True) -> Job:
     return admit(f"Bearer {key}", body(model, max_tokens, queue), Job.TEXT, None, None).job
 
 
+def result(job: Job, completion: int, cached: int = 0) -> dict:
+    """A node's result for `job` that generated `completion` tokens."""
+    return {
+        "request_id": job.request_id,
+        "node": "node-1",
+        "text": "ok",
+        "token_ids": list(range(completion)),
+        "finish_reason": "length",
+        "error": None,
+        "usage": {
+            "prompt_tokens": len(job.prompt_token_ids),
+            "cached_tokens": cached,
+            "completion_tokens": completion,
+        },
+    }
+
+
 def complete(job: Job, completion: int, cached: int = 0) -> None:
-    Job.objects.record_completion(
-        {
-            "request_id": job.request_id,
-            "node": "node-1",
-            "text": "ok",
-            "token_ids": list(range(completion)),
-            "finish_reason": "length",
-            "error": None,
-            "usage": {
-                "prompt_tokens": len(job.prompt_token_ids),
-                "cached_tokens": cached,
-                "completion_tokens": completion,
-            },
-        }
-    )
+    Job.objects.record_completion(result(job, completion, cached))
 
 
 def counter(org, scope="org") -> SpendCounter:
@@ -125,6 +128,29 @@ def test_settlement_releases_the_reservation_and_adds_the_real_cost(org_a, key_a
     record = UsageRecord.objects.get(request_id=job.request_id)
     assert record.total_cost < budgeted
     assert (counter(org_a).spent, counter(org_a).reserved) == (record.total_cost, 0)
+
+
+def test_results_settled_together_settle_the_budgets_as_one_at_a_time_would(org_a, key_a, tiny):
+    """One step's results in one transaction: the counters' UPDATEs add up each org, key and
+    reserved scopes' costs, and come out as separate settlements would leave them."""
+    cost = request_max_cost(tiny, 40)
+    org_a.monthly_budget_usd = cost * 10
+    org_a.save()
+    limited = ApiKey.objects.get(org=org_a)
+    limited.monthly_budget_usd = cost * 10
+    limited.save()
+    _, other = ApiKey.objects.create_key(org_a, "other")  # the org's budget only
+    jobs = [submit(key_a, tiny.id, 40) for _ in range(3)] + [submit(other, tiny.id, 40)]
+    failed = submit(other, tiny.id, 40)
+    assert counter(org_a).reserved == cost * 5
+    payloads = [result(job, n) for job, n in zip(jobs, [1, 5, 40, 7], strict=True)]
+    payloads.append({"request_id": failed.request_id, "error": "bad request"})
+    assert Job.objects.record_completions(payloads) == [True] * 5
+    ledger = {r.request_id: r.total_cost for r in UsageRecord.objects.filter(org=org_a)}
+    assert (counter(org_a).spent, counter(org_a).reserved) == (sum(ledger.values()), 0)
+    key_counter = counter(org_a, key_scope(limited.pk))
+    key_spent = sum(ledger[job.request_id] for job in jobs[:3])
+    assert (key_counter.spent, key_counter.reserved) == (key_spent, 0)
 
 
 @pytest.mark.parametrize("ending", ["cancel", "expire", "fail", "node_error"])

@@ -150,6 +150,69 @@ def test_concurrent_deliveries_write_one_usage_row(org_a, smollm2):
     assert UsageRecord.objects.count() == 1
 
 
+def test_one_steps_results_settle_together_each_once(org_a, smollm2):
+    jobs = [make_job(org_a) for _ in range(3)]
+    payloads = [result_for(job, completion=10 * (i + 1)) for i, job in enumerate(jobs)]
+    assert Job.objects.record_completions(payloads) == [True, True, True]
+    # The message again (a redelivery), and a result twice in one list: nothing more.
+    assert Job.objects.record_completions([*payloads, payloads[0]]) == [False] * 4
+    for job, payload in zip(jobs, payloads, strict=True):
+        job.refresh_from_db()
+        assert job.status == Job.COMPLETED
+        assert job.result["usage"] == payload["usage"]
+        record = UsageRecord.objects.get(request_id=job.request_id)
+        assert record.completion_tokens == payload["usage"]["completion_tokens"]
+        # No start notice came before the result: the job passes through running.
+        events = Event.objects.filter(data__id=job.id).order_by("sequence")
+        assert [e.type for e in events] == ["job.running", "job.completed"]
+    assert UsageRecord.objects.count() == 3
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_result_that_cannot_be_recorded_holds_up_none_of_the_others(org_a, smollm2):
+    first, second = make_job(org_a), make_job(org_a)
+    broken = {k: v for k, v in result_for(second).items() if k != "usage"}
+    with pytest.raises(KeyError):  # raised after the others settled: Dramatiq retries it
+        Job.objects.record_completions([result_for(first), broken])
+    first.refresh_from_db()
+    second.refresh_from_db()
+    assert (first.status, second.status) == (Job.COMPLETED, Job.QUEUED)
+    assert list(UsageRecord.objects.values_list("request_id", flat=True)) == [first.request_id]
+    # The retry of the whole message, with the result mended, settles only what is left.
+    assert Job.objects.record_completions([result_for(first), result_for(second)]) == [
+        False,
+        True,
+    ]
+    assert UsageRecord.objects.count() == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_settling_overlapping_results_concurrently_bills_each_job_once(org_a, smollm2):
+    """Four deliveries of overlapping lists at once (redeliveries racing): the row locks, taken
+    in request id order, serialise them without a deadlock."""
+    jobs = [make_job(org_a) for _ in range(6)]
+    payloads = [result_for(job) for job in jobs]
+    lists = [payloads, payloads[::-1], payloads[1:4], payloads[2:][::-1]]
+    barrier = threading.Barrier(len(lists))
+    outcomes: list[list[bool]] = []
+
+    def deliver(results):
+        from django.db import connection
+
+        barrier.wait()
+        outcomes.append(Job.objects.record_completions(results))
+        connection.close()
+
+    threads = [threading.Thread(target=deliver, args=(results,)) for results in lists]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sum(sum(settled) for settled in outcomes) == len(jobs)
+    assert UsageRecord.objects.count() == len(jobs)
+    assert Event.objects.filter(type="job.completed").count() == len(jobs)
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_real_node_serves_a_job_and_the_worker_bills_it(org_a, tiny_llama_dir):
     """The whole path below the gateway: broker → node process → record_completion → worker."""

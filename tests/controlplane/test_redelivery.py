@@ -23,7 +23,12 @@ from controlplane.jobs.redelivery import (
     redispatch_open,
     reroute_from_dead_nodes,
 )
-from inference.node.keyed_messages import RECORD_SUFFIX, enqueue_keyed, held_keys
+from inference.node.keyed_messages import (
+    RECORD_SUFFIX,
+    enqueue_keyed,
+    enqueue_results,
+    held_keys,
+)
 from inference.node.protocol import CONTROLPLANE_QUEUE, RECORD_COMPLETION_ACTOR
 
 # Admission commits, and closes its connection as a request thread does.
@@ -110,6 +115,31 @@ def test_a_running_job_whose_result_is_on_its_way_is_left_alone(broker, key_a, t
     assert redeliver_lost(grace_s=0) == 1
     job.refresh_from_db()
     assert (job.status, job.dispatches) == (Job.RUNNING, 2)
+
+
+def test_a_running_job_whose_result_waits_with_others_is_left_alone(broker, key_a, tiny):
+    """A node reports what one engine step finished in one message, indexed under each
+    answered message's key; the sweep follows the index."""
+    jobs = [submit(key_a, tiny.id, f"review change {i}") for i in range(2)]
+    Job.objects.record_starts("node-1", [{"request_id": job.request_id} for job in jobs])
+    assert len(message_args(broker, "infer.tiny")) == 2  # taken and acked, as a node does
+    answered = [job.message_key() for job in jobs]
+    results = dramatiq.Message(
+        queue_name=CONTROLPLANE_QUEUE,
+        actor_name=RECORD_COMPLETION_ACTOR,
+        args=({"node": "node-1", "results": [], "answered": answered},),
+        kwargs={},
+        options={},
+    )
+    enqueue_results(broker, results, answered)
+    assert redeliver_lost(grace_s=0) == 0
+    # A worker took the message and settled nothing before it died: the message is acked, but
+    # its index entries stay behind. They point at a message the broker no longer holds.
+    message_args(broker, CONTROLPLANE_QUEUE)
+    assert redeliver_lost(grace_s=0) == 2
+    for job in jobs:
+        job.refresh_from_db()
+        assert (job.status, job.dispatches) == (Job.RUNNING, 2)
 
 
 def test_settled_jobs_are_never_sent_again(broker, key_a, tiny):

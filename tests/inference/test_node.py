@@ -14,7 +14,13 @@ from asgiref.sync import async_to_sync
 from channels_redis.core import RedisChannelLayer
 
 from inference.engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from inference.node.keyed_messages import KeyedRedisBroker, enqueue_keyed, held_keys
+from inference.node.keyed_messages import (
+    RECORD_SUFFIX,
+    KeyedRedisBroker,
+    enqueue_keyed,
+    forget_results,
+    held_keys,
+)
 from inference.node.node import DeltaPublisher, Node
 from inference.node.protocol import (
     ABORT_ACTOR,
@@ -24,6 +30,7 @@ from inference.node.protocol import (
     RECORD_STARTED_ACTOR,
     control_queue,
     model_queue,
+    results_of,
 )
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -88,10 +95,10 @@ def collect_results(broker, count: int, timeout_s: float = 60) -> dict[str, dict
             started.update(start["request_id"] for start in message.args[0]["starts"])
         else:
             assert message.actor_name == RECORD_COMPLETION_ACTOR
-            request_id = message.args[0]["request_id"]
-            if not message.args[0]["error"]:
-                assert request_id in started, "record_started must precede the result"
-            results[request_id] = message.args[0]
+            for result in results_of(message.args[0]):  # one step's results, together
+                if not result["error"]:
+                    assert result["request_id"] in started, "record_started must precede it"
+                results[result["request_id"]] = result
         consumer.ack(message)
     consumer.close()
     return results
@@ -415,3 +422,40 @@ def test_a_copy_under_a_new_key_of_a_running_request_is_acked_and_dropped(tiny_l
     assert list(node.inflight) == ["twice"] and node.engine.num_waiting == 1  # one sequence
     held = held_keys(broker, [(model_queue(MODEL), "twice.1"), (model_queue(MODEL), "twice.2")])
     assert held == [True, False]
+
+
+def test_the_results_of_one_step_travel_in_one_message_held_under_each_answered_key(
+    tiny_llama_dir, broker
+):
+    """Three requests that finish in the same step: one `record_completion` message carries
+    their results, the broker counts each answered job's result as held (the sweep's question)
+    while it waits, and their three messages are acked."""
+    keys = {name: f"{name}.1" for name in ("x", "y", "z")}
+    for name, key in keys.items():
+        enqueue(broker, request(name, [3, 4, 5, 6]), key)
+    node = Node(make_engine(tiny_llama_dir), MODEL, "node-1", broker)
+    deadline = time.time() + 30
+    while len(node.inflight) < 3 and time.time() < deadline:
+        node.pull()
+    while node.inflight and time.time() < deadline:
+        node.step()
+    generation = [(model_queue(MODEL), key) for key in keys.values()]
+    recorded = [(CONTROLPLANE_QUEUE, key + RECORD_SUFFIX) for key in keys.values()]
+    assert held_keys(broker, generation) == [False] * 3  # acked, together
+    assert held_keys(broker, recorded) == [True] * 3
+    consumer = broker.consume(CONTROLPLANE_QUEUE, prefetch=10, timeout=200)
+    messages = []
+    while (message := next(consumer)) is not None:
+        messages.append(message)
+    [results] = [m for m in messages if m.actor_name == RECORD_COMPLETION_ACTOR]
+    body = results.args[0]
+    assert body["node"] == "node-1" and sorted(body["answered"]) == sorted(keys.values())
+    assert [r["request_id"] for r in results_of(body)] == ["x", "y", "z"]
+    assert all(r["usage"]["completion_tokens"] == 8 for r in results_of(body))
+    assert held_keys(broker, recorded) == [True] * 3  # taken by a worker, not yet acked
+    for message in messages:
+        consumer.ack(message)
+    assert held_keys(broker, recorded) == [False] * 3  # the message is gone: so are the results
+    forget_results(broker, body["answered"])
+    assert not broker.client.exists(f"{broker.namespace}:results-of")
+    consumer.close()
