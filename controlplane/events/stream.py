@@ -31,6 +31,7 @@ from channels.layers import get_channel_layer
 from django.db import close_old_connections
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 
+from controlplane import layer_receive
 from controlplane.accounts.authentication import ApiKeyPrincipal, principal_from_header
 from controlplane.accounts.models import KeyRejected
 from controlplane.events.models import Event
@@ -195,8 +196,8 @@ async def _stream(
             deadline = loop.time() + KEEPALIVE_S
             while True:
                 try:
-                    push = await asyncio.wait_for(
-                        layer.receive(channel), timeout=max(0.0, deadline - loop.time())
+                    push = await layer_receive.receive(
+                        layer, channel, max(0.0, deadline - loop.time())
                     )
                 except TimeoutError:
                     yield KEEPALIVE_FRAME

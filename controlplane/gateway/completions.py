@@ -28,6 +28,7 @@ from django.db import close_old_connections
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.views.decorators.csrf import csrf_exempt
 
+from controlplane import layer_receive
 from controlplane.gateway.admission import Admission, admit
 from controlplane.gateway.errors import ApiError
 from controlplane.gateway.idempotency import idempotent
@@ -126,11 +127,10 @@ async def _receive(layer, channel: str, deadline: float, job: Job) -> dict:
                 code="timeout",
             )
         try:
-            message = await asyncio.wait_for(
-                layer.receive(channel), timeout=min(remaining, QUIET_S)
-            )
+            message = await layer_receive.receive(layer, channel, min(remaining, QUIET_S))
         except TimeoutError:
             message = await sync_to_async(_settled_message, thread_sensitive=False)(job.pk)
+            layer_receive.raise_if_cancelled()
             if message is None:
                 continue
         if message["type"] == "error":
