@@ -168,17 +168,9 @@ def settle(job, cost: Decimal) -> None:
     """The job's terminal transition, inside its transaction: add `cost` to the month's counters
     of its org and key, and release what it reserved. Called once per job. One UPDATE, which
     touches no row for a scope without a counter."""
-    statement = settle_statement(job, cost)
-    if statement is not None:
-        with connection.cursor() as cursor:
+    with connection.cursor() as cursor:
+        for statement in settle_statements([(job, cost)]):
             cursor.execute(*statement)
-
-
-def settle_statement(job, cost: Decimal) -> tuple[str, list] | None:
-    """`settle`'s UPDATE and its parameters, for a caller that sends it with other statements;
-    None when there is nothing to settle (no cost, nothing reserved)."""
-    statements = settle_statements([(job, cost)])
-    return statements[0] if statements else None
 
 
 def settle_statements(settled: list[tuple[Any, Decimal]]) -> list[tuple[str, list]]:

@@ -433,8 +433,7 @@ class Node:
         """Record the results finished while the broker was away, then ack their messages (an
         ack of a message the broker no longer holds is a no-op)."""
         if not self.unrecorded:
-            self.send_starts(force=False)  # kept while the broker was down, once due
-            return
+            return  # start notices kept while the broker was down go with the next pull
         self.send_starts()
         pending = self.unrecorded
         self._record_all(pending)
