@@ -37,7 +37,7 @@ from controlplane.billing.models import UsageRecord
 from controlplane.events.models import Event
 from controlplane.events.webhooks import WebhookDelivery
 from controlplane.jobs.models import Job
-from inference.node.protocol import CONTROLPLANE_QUEUE, RECORD_STARTED_ACTOR
+from inference.node.protocol import CONTROLPLANE_QUEUE, RECORD_STARTED_ACTOR, model_queue
 from tests.e2e.user_path import wait_for
 from tests.webhook_receiver import Receiver
 
@@ -204,28 +204,46 @@ def test_a_worker_killed_while_it_records_completions_loses_nothing(
     assert_webhooks_delivered(receiver, secret, job_ids)
 
 
+def waiting_in_broker(stack, model: str) -> set[str]:
+    """The jobs whose generate messages sit in the model's queue or a node's own, fetched by no
+    node yet: the ones a Redis restart loses outright."""
+    import redis
+
+    client = redis.Redis.from_url(stack.env["REDIS_URL"])
+    shared = f"{stack.env['HEARTH_BROKER_NAMESPACE']}:{model_queue(model)}"
+    waiting = set()
+    for queue in [shared.encode(), *client.scan_iter(f"{shared}.*")]:
+        if client.type(queue) != b"list" or queue.endswith(b".control"):
+            continue
+        ids = client.lrange(queue, 0, -1)
+        bodies = client.hmget(queue + b".msgs", ids) if ids else []
+        waiting |= {json.loads(body)["args"][0]["job_id"] for body in bodies if body}
+    return waiting
+
+
 def test_a_redis_restart_loses_no_job(
     stack_on_own_redis, own_redis, tiny_model, acme_key, receiver
 ):
     stack = stack_on_own_redis
-    # 8 at a time, so most jobs are still queued when Redis goes.
+    # 8 at a time, and Redis goes as soon as the node has started its first requests, so most
+    # jobs are still waiting in the broker. (Waiting for a first completion in the database was
+    # too late: the node reports a step's results together, and on a busy machine it had fetched
+    # every job by then.)
     secret, job_ids = start_jobs(stack, tiny_model.id, acme_key, receiver, "--max-num-seqs", "8")
     try:
-        wait_for(
-            lambda: Job.objects.filter(id__in=job_ids, status=Job.COMPLETED).exists(),
-            what="a first job completed",
-        )
-        queued = Job.objects.filter(id__in=job_ids, status=Job.QUEUED).count()
+        wait_for(lambda: start_notice_sent(stack), what="node-a starting a request")
+        waiting = waiting_in_broker(stack, tiny_model.id)
         own_redis.restart()
         wait_until_completed(job_ids)
     except Exception:
         print(stack.outputs())
         raise
-    assert queued, "every job had started before Redis restarted"
+    assert waiting, "the node had fetched every job before Redis restarted"
     assert_settled_once(job_ids)
-    # The jobs still queued had only their message in Redis: each was dispatched again (a few
-    # more may have started between the count and the restart).
-    assert Job.objects.filter(id__in=job_ids, dispatches__gt=1).count() >= queued - 8
+    # The jobs still waiting had only their message in Redis: each was dispatched again (the node
+    # may have fetched a wave of 8 more between the look and the restart).
+    redispatched = Job.objects.filter(id__in=waiting, dispatches__gt=1).count()
+    assert redispatched >= len(waiting) - 8, (redispatched, len(waiting))
     assert_webhooks_delivered(receiver, secret, job_ids)
 
 
