@@ -130,13 +130,22 @@ class ProductionStack:
             **env,
         )
 
-    def wait_ready(self, model: str, nodes: int, api_key: str, timeout_s: float = 120) -> None:
-        """Until the gateway answers and `nodes` nodes of `model` heartbeat."""
+    def redis(self):
+        """A client of the stack's Redis."""
         import redis
 
+        return redis.Redis.from_url(self.env["REDIS_URL"])
+
+    def broker_key(self, queue: str) -> str:
+        """The Redis key of the broker's `queue` (its list of waiting message ids; `.msgs`
+        appended, its hash of messages)."""
+        return f"{self.env['HEARTH_BROKER_NAMESPACE']}:{queue}"
+
+    def wait_ready(self, model: str, nodes: int, api_key: str, timeout_s: float = 120) -> None:
+        """Until the gateway answers and `nodes` nodes of `model` heartbeat."""
         from inference.node.heartbeat import NODE_KEY_PREFIX
 
-        client = redis.Redis.from_url(self.env["REDIS_URL"])
+        client = self.redis()
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             for name, process in self.processes.items():

@@ -118,10 +118,8 @@ def assert_webhooks_delivered(receiver: Receiver, secret: str, job_ids: list[str
 def start_notice_sent(stack) -> bool:
     """Whether a node has sent a `record_started` notice: the broker holds one (the worker has
     not yet acked it), or the worker has recorded one."""
-    import redis
-
-    client = redis.Redis.from_url(stack.env["REDIS_URL"])
-    messages = f"{stack.env['HEARTH_BROKER_NAMESPACE']}:{CONTROLPLANE_QUEUE}.msgs"
+    client = stack.redis()
+    messages = stack.broker_key(CONTROLPLANE_QUEUE) + ".msgs"
     actor = f'"actor_name":"{RECORD_STARTED_ACTOR}"'.encode()
     return any(actor in body for body in client.hvals(messages)) or (
         Job.objects.filter(status=Job.RUNNING).exists()
@@ -207,10 +205,8 @@ def test_a_worker_killed_while_it_records_completions_loses_nothing(
 def waiting_in_broker(stack, model: str) -> set[str]:
     """The jobs whose generate messages sit in the model's queue or a node's own, fetched by no
     node yet: the ones a Redis restart loses outright."""
-    import redis
-
-    client = redis.Redis.from_url(stack.env["REDIS_URL"])
-    shared = f"{stack.env['HEARTH_BROKER_NAMESPACE']}:{model_queue(model)}"
+    client = stack.redis()
+    shared = stack.broker_key(model_queue(model))
     waiting = set()
     for queue in [shared.encode(), *client.scan_iter(f"{shared}.*")]:
         if client.type(queue) != b"list" or queue.endswith(b".control"):
