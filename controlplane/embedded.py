@@ -23,8 +23,9 @@ from controlplane.catalog.registry import use_memory_heartbeat
 from controlplane.events.push import bind_loop
 from controlplane.jobs.redelivery import redispatch_open
 from inference.engine import EngineConfig, LLMEngine
+from inference.node.delta_publisher import DeltaPublisher
 from inference.node.heartbeat import MemoryHeartbeat
-from inference.node.node import DeltaPublisher, Node
+from inference.node.node import Node
 from inference.node.protocol import CONTROLPLANE_QUEUE
 
 logger = logging.getLogger(__name__)

@@ -111,8 +111,9 @@ class JobManager(models.Manager["Job"]):
         """A node took these jobs' requests (a node sends the starts of one pull together):
         queued → running (one event however often), and one more attempt counted; for each,
         whether this notice started it. A job already settled (cancelled or expired while it
-        waited), or started more than JOB_MAX_ATTEMPTS times (its request keeps killing nodes),
-        is stopped on that node instead; past the attempts it is failed."""
+        waited, or by another node), or started more than JOB_MAX_ATTEMPTS times (its request
+        keeps killing nodes), is stopped on that node instead; past the attempts it is failed.
+        A job this node has already finished is left alone: its result overtook this notice."""
         from controlplane.jobs.serializers import job_object
 
         request_ids = [start["request_id"] for start in starts]
@@ -122,13 +123,20 @@ class JobManager(models.Manager["Job"]):
                 Event.objects.emit_all(
                     [(job.org, "job.running", job_object(job)) for job in claimed.values()]
                 )
+        # Not queued: a late or repeated notice, a redelivery after a crash. One query for all.
+        missed = [request_id for request_id in request_ids if request_id not in claimed]
+        found = self.select_related("org").in_bulk(missed, field_name="request_id")
         started = []
         for start in starts:
             job = claimed.get(start["request_id"])
             started.append(job is not None)
-            if job is None:  # not queued: a late or repeated notice, a redelivery after a crash
-                job = self.select_related("org").filter(request_id=start["request_id"]).first()
+            if job is None:
+                job = found.get(start["request_id"])
                 if job is None:
+                    continue
+                if job.status in Job.TERMINAL:
+                    if not job.finished_by(node, start.get("attempt")):
+                        job.abort_on(node)
                     continue
                 started[-1] = job.start(node=node, attempt=start.get("attempt"))
             if job.attempts > settings.JOB_MAX_ATTEMPTS:
@@ -427,6 +435,13 @@ class Job(models.Model):
                 budgets.settle(self, Decimal(0))
                 self.emit("job.expired")
         return bool(expired)
+
+    def finished_by(self, node: str, attempt: int | None) -> bool:
+        """Whether this settled job's result came from `node`'s run number `attempt` (or one
+        after it): a start notice for that run arriving now is late, not a new run to stop.
+        The worker handles a node's start and result messages in parallel, so a short job's
+        result is often settled first (`_settlement` takes it through running)."""
+        return bool(node) and self.node == node and (attempt or 1) <= self.attempts
 
     def abort_on(self, node: str) -> None:
         """Ask `node` to stop this job's request (its control queue); best effort: a node that

@@ -15,8 +15,9 @@ import threading
 import uuid
 
 from inference.engine import EngineConfig, LLMEngine
+from inference.node.delta_publisher import DeltaPublisher
 from inference.node.heartbeat import RedisHeartbeat
-from inference.node.node import DeltaPublisher, Node
+from inference.node.node import Node
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

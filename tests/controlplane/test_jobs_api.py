@@ -249,3 +249,24 @@ def test_a_notice_of_a_pulls_starts_runs_each_queued_job_once_in_order(
     assert [event.data["id"] for event in running] == [second.id, first.id]
     assert control_messages(MODEL, "node-3") == [{"request_id": cancelled.request_id}] * 2
     assert event_types(cancelled) == ["job.queued", "job.cancelled"]
+
+
+def test_a_start_notice_overtaken_by_its_own_result_changes_nothing(
+    org_a, smollm2, django_capture_on_commit_callbacks
+):
+    """The worker takes a node's start and result messages in parallel, so a short job's result
+    often settles it first: the late notice of that run must neither restart the job nor stop a
+    request the node has already finished. A new run of it (another node, or a later attempt on
+    the same one) is still stopped."""
+    job = make_job(org_a)
+    assert Job.objects.record_completion(result_for(job))  # from node-1, attempt 1
+    notice = {"request_id": job.request_id, "attempt": 1}
+    for node, attempt, stopped in [("node-1", 1, False), ("node-2", 1, True), ("node-1", 2, True)]:
+        with django_capture_on_commit_callbacks(execute=True):
+            assert Job.objects.record_starts(node, [{**notice, "attempt": attempt}]) == [False]
+        expected = [{"request_id": job.request_id}] if stopped else []
+        assert control_messages(MODEL, node) == expected, (node, attempt)
+    job.refresh_from_db()
+    assert (job.status, job.node, job.attempts) == (Job.COMPLETED, "node-1", 1)
+    assert event_types(job) == ["job.queued", "job.running", "job.completed"]
+    assert UsageRecord.objects.count() == 1

@@ -14,6 +14,7 @@ from asgiref.sync import async_to_sync
 from channels_redis.core import RedisChannelLayer
 
 from inference.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from inference.node.delta_publisher import DeltaPublisher
 from inference.node.keyed_messages import (
     RECORD_SUFFIX,
     KeyedRedisBroker,
@@ -21,7 +22,7 @@ from inference.node.keyed_messages import (
     forget_results,
     held_keys,
 )
-from inference.node.node import DeltaPublisher, Node
+from inference.node.node import Node
 from inference.node.protocol import (
     ABORT_ACTOR,
     CONTROLPLANE_QUEUE,
