@@ -8,6 +8,8 @@ authenticated by its Bearer key needs none of them. WebSockets go to Channels: `
 authenticated by the console's session and refused from origins outside ALLOWED_HOSTS.
 """
 
+import asyncio
+import contextlib
 import functools
 import os
 
@@ -21,7 +23,12 @@ django_application = get_asgi_application()
 from django.conf import settings  # noqa: E402
 from django.core import signals  # noqa: E402
 from django.core.cache import close_caches  # noqa: E402
-from django.core.handlers.asgi import ASGIHandler  # noqa: E402
+from django.core.handlers.asgi import (  # noqa: E402
+    ASGIHandler,
+    RequestAborted,
+    get_script_prefix,
+    set_script_prefix,
+)
 from django.core.handlers.base import reset_urlconf  # noqa: E402
 from django.db import close_old_connections, reset_queries  # noqa: E402
 from django.urls import Resolver404, get_resolver  # noqa: E402
@@ -44,14 +51,72 @@ class ApiHandler(ASGIHandler):
         # Django wraps every request in a ThreadSensitiveContext, which gives the request's
         # thread-sensitive sync code a thread of its own: started for the request, and joined
         # by one more thread started at its end. A sync view needs it. An async view does its
-        # sync work in the shared pool (thread_sensitive=False); its only thread-sensitive call
-        # is the response's close, which the one process-wide sync thread serves as well. So an
-        # async view runs without it: two thread starts fewer per completion (about 10 % of the
-        # gateway's CPU per job in a py-spy profile of bench/job_queue.py).
+        # sync work in the shared pool (thread_sensitive=False), and its response is closed on
+        # the loop (handle_async_view), or for a stream by the one process-wide sync thread. So
+        # an async view runs without it: two thread starts fewer per completion (about 10 % of
+        # the gateway's CPU per job in a py-spy profile of bench/job_queue.py).
         if scope["type"] == "http" and _is_async_view(scope["path"]):
-            await self.handle(scope, receive, send)
+            await self.handle_async_view(scope, receive, send)
         else:
             await super().__call__(scope, receive, send)
+
+    async def handle_async_view(self, scope, receive, send) -> None:
+        """Django's `ASGIHandler.handle`, step for step (the view raced against the client's
+        disconnect, which cancels it), except that a response that is not streamed is closed
+        here on the event loop. Django closes every response with `sync_to_async`, a hop to the
+        process's sync thread and back; an API response's close runs no receiver (this module
+        moves them to the console's handler) and closes nothing that blocks, and the hop cost
+        4 % of the gateway's CPU per job (bench/job_queue.py with the node stopped). A streamed
+        response's close, which closes its iterator, keeps Django's hop."""
+        try:
+            body_file = await self.read_body(receive)
+        except RequestAborted:
+            return
+        set_script_prefix(get_script_prefix(scope))
+        await signals.request_started.asend(sender=self.__class__, scope=scope)
+        request, error_response = self.create_request(scope, body_file)
+        if request is None:
+            body_file.close()
+            await self.send_response(error_response, send)
+            await _close(error_response)
+            return
+        try:
+            response = await self._race_disconnect(request, receive, send)
+            if response is None:
+                await signals.request_finished.asend(sender=self.__class__)
+            else:
+                await _close(response)
+        finally:
+            body_file.close()
+
+    async def _race_disconnect(self, request, receive, send):
+        """Run the view and send its response, cancelled should the client disconnect first;
+        the response, or None when it was cancelled."""
+        disconnect = asyncio.create_task(self.listen_for_disconnect(receive))
+        view = asyncio.create_task(self._respond(request, send))
+        await asyncio.wait([disconnect, view], return_when=asyncio.FIRST_COMPLETED)
+        for task in (disconnect, view):  # the listener first: its end cancels the view
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            elif not task.cancelled():
+                with contextlib.suppress(RequestAborted):
+                    task.result()
+        return None if view.cancelled() else view.result()
+
+    async def _respond(self, request, send):
+        response = await self.run_get_response(request)
+        with contextlib.suppress(asyncio.CancelledError):  # the client left during the send
+            await self.send_response(response, send)
+        return response
+
+
+async def _close(response) -> None:
+    if response.streaming:
+        await sync_to_async(response.close)()
+    else:
+        response.close()
 
 
 @functools.lru_cache(maxsize=1024)

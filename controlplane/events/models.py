@@ -142,7 +142,10 @@ class Event(models.Model):
 
     sequence = models.BigAutoField(primary_key=True)
     id = models.CharField(max_length=40, unique=True, default=new_event_id)
-    org = models.ForeignKey("accounts.Org", on_delete=models.CASCADE, related_name="events")
+    # Not indexed alone: event_org_sequence leads with it.
+    org = models.ForeignKey(
+        "accounts.Org", on_delete=models.CASCADE, related_name="events", db_index=False
+    )
     type = models.CharField(max_length=64)
     data = models.JSONField()
     created = models.DateTimeField(auto_now_add=True)

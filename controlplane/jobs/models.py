@@ -326,7 +326,11 @@ class Job(models.Model):
 
     id = models.CharField(primary_key=True, max_length=40, default=new_job_id)
     request_id = models.CharField(max_length=40, unique=True, default=new_request_id)
-    org = models.ForeignKey("accounts.Org", on_delete=models.CASCADE, related_name="jobs")
+    # Not indexed alone, nor `status` or `created`: the composite indexes below lead with them,
+    # and every index is written again at each change of status (a job changes it three times).
+    org = models.ForeignKey(
+        "accounts.Org", on_delete=models.CASCADE, related_name="jobs", db_index=False
+    )
     api_key = models.ForeignKey(
         "accounts.ApiKey", on_delete=models.SET_NULL, null=True, related_name="jobs"
     )
@@ -334,7 +338,7 @@ class Job(models.Model):
     mode = models.CharField(max_length=8, choices=MODES, default="sync")
     endpoint = models.CharField(max_length=32, choices=ENDPOINTS, default=CHAT)
     session_affinity = models.CharField(max_length=200, blank=True)
-    status = models.CharField(max_length=16, choices=STATUSES, default=QUEUED, db_index=True)
+    status = models.CharField(max_length=16, choices=STATUSES, default=QUEUED)
     request = models.JSONField()  # the API request body, as received
     prompt_token_ids = models.JSONField()
     sampling = models.JSONField(default=dict)
@@ -342,7 +346,7 @@ class Job(models.Model):
     error = models.TextField(blank=True)
     node = models.CharField(max_length=200, blank=True)
     attempts = models.PositiveIntegerField(default=0)
-    created = models.DateTimeField(auto_now_add=True, db_index=True)
+    created = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
     deadline_at = models.DateTimeField(null=True, blank=True)
