@@ -6,7 +6,6 @@ capacity), so a client that missed one reads the rows back; the push only saves 
 
 from __future__ import annotations
 
-import json
 import secrets
 from functools import partial
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 from django.db import connection, models, transaction
 from django.utils import timezone
 
+from controlplane import json_rows
 from controlplane.events.push import push_to_org
 
 
@@ -83,24 +83,22 @@ class EventManager(models.Manager["Event"]):
 
 def _insert_in_one_round_trip(rows: list[Event], first: tuple[str, list[Any]] | None) -> None:
     """PostgreSQL: `first`, each org's event lock, the events' INSERT … RETURNING, sent as one
-    query; the rows get their sequences and `fan_out_pending`."""
+    query; the rows get their sequences and `fan_out_pending`. The events travel as one JSON
+    document (json_rows.py), so the query's text depends only on how many orgs it locks."""
     endpoints = WebhookEndpoint._meta.db_table
     statements = [first] if first is not None else []
     for org_pk in sorted({row.org_id for row in rows}):
         statements.append(("SELECT pg_advisory_xact_lock(%s, %s)", [EMIT_LOCK_NAMESPACE, org_pk]))
-    row_sql = (
-        f"(%s, %s, %s, %s::jsonb, %s, EXISTS (SELECT 1 FROM {endpoints} "
-        "WHERE org_id = %s AND enabled))"
-    )
-    params: list[Any] = []
-    for row in rows:
-        params += [row.id, row.org_id, row.type, json.dumps(row.data), row.created, row.org_id]
+    table = Event._meta.db_table
+    fields = [Event._meta.get_field(name) for name in ("id", "org", "type", "data", "created")]
+    document = json_rows.document([json_rows.row_values(row, fields) for row in rows])
     statements.append(
         (
-            f"INSERT INTO {Event._meta.db_table} (id, org_id, type, data, created, "
-            f"fan_out_pending) VALUES {', '.join([row_sql] * len(rows))} "
-            "RETURNING sequence, fan_out_pending",
-            params,
+            f"INSERT INTO {table} (id, org_id, type, data, created, fan_out_pending) "
+            "SELECT r.id, r.org_id, r.type, r.data, r.created, EXISTS (SELECT 1 FROM "
+            f"{endpoints} WHERE org_id = r.org_id AND enabled) FROM {json_rows.expand(table)} "
+            "ORDER BY r.ordinality RETURNING id, sequence, fan_out_pending",
+            [document],
         )
     )
     with connection.cursor() as cursor:
@@ -110,9 +108,9 @@ def _insert_in_one_round_trip(rows: list[Event], first: tuple[str, list[Any]] | 
         )
         while cursor.nextset():  # to the last statement's result: the INSERT's
             pass
-        returned = cursor.fetchall()
-    for row, (sequence, fan_out_pending) in zip(rows, returned, strict=True):
-        row.sequence, row.fan_out_pending = sequence, fan_out_pending
+        returned = {event_id: (sequence, fan_out) for event_id, sequence, fan_out in cursor}
+    for row in rows:
+        row.sequence, row.fan_out_pending = returned[row.id]
         row._state.adding, row._state.db = False, connection.alias
 
 

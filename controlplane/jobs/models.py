@@ -20,6 +20,7 @@ from django.db import connection, connections, models, transaction
 from django.db.models.sql import InsertQuery
 from django.utils import timezone
 
+from controlplane import json_rows
 from controlplane.billing import budgets
 from controlplane.billing.models import UsageRecord
 from controlplane.events.models import Event
@@ -93,10 +94,13 @@ class JobManager(models.Manager["Job"]):
         if not jobs:
             return jobs
         fields = [f for f in self.model._meta.concrete_fields if not f.generated]
-        query = InsertQuery(self.model)
-        query.insert_values(fields, jobs)
-        # Compiling runs each field's pre_save: `created` is set here, before the events read it.
-        [(sql, params)] = query.get_compiler(connection=connection).as_sql()
+        # Either runs each field's pre_save: `created` is set here, before the events read it.
+        if connection.vendor == "postgresql":
+            sql, params = json_rows.insert(self.model, fields, jobs)
+        else:
+            query = InsertQuery(self.model)
+            query.insert_values(fields, jobs)
+            [(sql, params)] = query.get_compiler(connection=connection).as_sql()
         events = [(job.org, "job.queued", job_object(job)) for job in jobs]
         Event.objects.emit_all(events, first=(sql, list(params)))
         for job in jobs:

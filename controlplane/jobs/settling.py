@@ -5,8 +5,9 @@ Every job is settled once by the worker, so this is the control plane's busiest 
 after admission. A node sends the results one engine step finished together, and they settle in
 one transaction. On PostgreSQL it is three round trips however many jobs it settles: a SELECT …
 FOR UPDATE that returns the jobs with their orgs and the prices in effect when they were
-admitted; one query that carries the usage rows' INSERT, the jobs' UPDATEs, the budgets'
+admitted; one query that carries the usage rows' INSERT, the jobs' UPDATE, the budgets'
 settlement, the orgs' event locks and the events' INSERT (EventManager.emit_all); the COMMIT.
+The rows of each INSERT and UPDATE travel as one JSON document (json_rows.py).
 They are written out rather than built by the ORM: compiling a
 `select_for_update().select_related()`, a price query and three saves cost the worker more CPU
 than PostgreSQL took to run them (bench/job_queue.py). SQLite (embedded mode) goes through the
@@ -18,8 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 from django.db import connection
-from django.db.models.sql import InsertQuery
 
+from controlplane import json_rows
 from controlplane.accounts.models import Org
 from controlplane.billing import budgets
 from controlplane.catalog.models import Price, price_in_effect
@@ -78,7 +79,8 @@ def write_settlements(settlements: list[Settlement]) -> None:
         return
     records = [s.record for s in settlements if s.record is not None]
     statements = [_insert(records)] if records else []
-    statements += [_update(s.job, WRITTEN_FIELDS) for s in settlements]
+    job_fields = [Job._meta.get_field(name) for name in WRITTEN_FIELDS]
+    statements.append(json_rows.update(Job, job_fields, [s.job for s in settlements]))
     statements += budgets.settle_statements([(s.job, s.cost) for s in settlements])
     sql = ";\n".join(statement for statement, _ in statements)
     params = [value for _, values in statements for value in values]
@@ -93,19 +95,4 @@ def _insert(rows: list) -> tuple[str, list[Any]]:
     RETURNING)."""
     meta = rows[0]._meta
     fields = [f for f in meta.concrete_fields if not f.generated and f is not meta.auto_field]
-    query = InsertQuery(type(rows[0]))
-    query.insert_values(fields, rows)
-    [(sql, params)] = query.get_compiler(connection=connection).as_sql()
-    return sql, list(params)
-
-
-def _update(row, names: list[str]) -> tuple[str, list[Any]]:
-    """The UPDATE of `names` of a loaded row, by primary key."""
-    fields = [row._meta.get_field(name) for name in names]
-    assignments = ", ".join(f'"{f.column}" = %s' for f in fields)
-    params = [f.get_db_prep_save(getattr(row, f.attname), connection) for f in fields]
-    pk = row._meta.pk
-    return (
-        f'UPDATE {row._meta.db_table} SET {assignments} WHERE "{pk.column}" = %s',
-        [*params, pk.get_db_prep_value(row.pk, connection)],
-    )
+    return json_rows.insert(type(rows[0]), fields, rows)
