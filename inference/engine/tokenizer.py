@@ -19,6 +19,10 @@ class Tokenizer:
     def __init__(self, directory: str | Path) -> None:
         directory = Path(directory)
         self.hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(directory))
+        # The Rust tokenizer itself, used when `hf.decode` is exactly its decode (no clean-up of
+        # spaces after it): the incremental detokenizer decodes twice per generated token, and
+        # transformers' wrapper around the call cost more than the decoding (py-spy of a node).
+        self._backend = getattr(self.hf, "_tokenizer", None)
         self.eos_token_ids: set[int] = set()
         if self.hf.eos_token_id is not None:
             self.eos_token_ids.add(self.hf.eos_token_id)
@@ -37,6 +41,8 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._backend is not None and not self.hf.clean_up_tokenization_spaces:
+            return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(

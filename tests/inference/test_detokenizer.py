@@ -53,3 +53,22 @@ def test_text_held_back_for_a_possible_stop_is_released_when_it_is_not_one(token
     deltas, detok = stream(tokenizer, ids, ["END!"])
     assert not detok.stopped
     assert "".join(deltas) == "abc ENDING"
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_is_exactly_the_hugging_face_tokenizers_decode(tokenizer, skip_special_tokens):
+    """Tokenizer.decode calls the Rust tokenizer directly (its hot path); what it returns must be
+    what transformers' own decode returns, special tokens, broken UTF-8 and spaces included."""
+    assert tokenizer._backend is not None  # SmolLM2's tokenizer takes the direct path
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": TEXT + "  spaced , out ."}])
+    pieces = [chat, chat[3:9], [chat[-1]], [], *[[t] for t in chat[:40]]]
+    for ids in pieces:
+        expected = tokenizer.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) == expected
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_transformers_decode(tokenizer, monkeypatch):
+    """Where transformers may post-process the decoded text, the direct path is not taken."""
+    monkeypatch.setattr(tokenizer.hf, "clean_up_tokenization_spaces", True)
+    monkeypatch.setattr(tokenizer.hf, "decode", lambda ids, skip_special_tokens: "transformers'")
+    assert tokenizer.decode([1, 2, 3]) == "transformers'"
