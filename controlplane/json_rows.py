@@ -2,9 +2,9 @@
 
 The hot paths write groups of rows: the jobs a gateway's writer commits together, the events of
 a group, the usage rows and job updates of a settled group. Written as `VALUES (%s, …), (%s, …)`,
-a statement's text and parameter count grow with the group, and psycopg parses a query's
-placeholders again, in Python, whenever it has more than 50 parameters or 4 KB of text (its
-cache takes only smaller ones), then quotes every parameter on the client: a fifth of the
+a statement's text and parameter count grow with the group. psycopg caches the parsing of a
+query's placeholders only for queries under 50 parameters and 4 KB of text; a larger one is
+parsed again, in Python, at every call, and each parameter quoted on the client: a fifth of the
 worker's CPU per job and a sixth of the gateway's (py-spy, bench/job_queue.py). Here the rows
 travel as one JSON document, a single parameter, that PostgreSQL expands with
 `jsonb_populate_recordset(NULL::<table>, …)`, which types each column as the table does; the
@@ -66,12 +66,12 @@ def expand(table: str, alias: str = "r") -> str:
     return f"jsonb_populate_recordset(NULL::{quoted}, %s::jsonb) WITH ORDINALITY {alias}"
 
 
-def insert(model, fields: list, objs: list, add: bool = True) -> tuple[str, list[Any]]:
-    """The INSERT of unsaved `objs` of `model`, `fields` only (the database fills the rest), as
-    (sql, params); each field's `pre_save` runs first, as the ORM's INSERT runs it (`created`
-    is set here)."""
+def insert(model, fields: list, objs: list) -> tuple[str, list[Any]]:
+    """The INSERT of unsaved `objs` of `model`, `fields` only (the database fills the rest), in
+    their order, as (sql, params); each field's `pre_save` runs first, as the ORM's INSERT runs
+    it (`created` is set here)."""
     table = model._meta.db_table
-    rows = [{f.column: column_value(f, f.pre_save(obj, add)) for f in fields} for obj in objs]
+    rows = [row_values(obj, fields, adding=True) for obj in objs]
     columns = ", ".join(f'"{f.column}"' for f in fields)
     selected = ", ".join(f'r."{f.column}"' for f in fields)
     return (

@@ -31,14 +31,14 @@ class DropPatternIndexes(migrations.operations.base.Operation):
     def state_forwards(self, app_label, state) -> None:
         pass  # Django's state never held these indexes
 
-    def _targets(self, app_label, schema_editor, state):
+    def _targets(self, app_label, state):
         model = state.apps.get_model(app_label, self.model_name)
         return model, [model._meta.get_field(name) for name in self.fields]
 
     def database_forwards(self, app_label, schema_editor, from_state, to_state) -> None:
         if schema_editor.connection.vendor != "postgresql":
             return
-        model, fields = self._targets(app_label, schema_editor, to_state)
+        model, fields = self._targets(app_label, to_state)
         for field in fields:
             name = schema_editor._create_index_name(
                 model._meta.db_table, [field.column], suffix="_like"
@@ -48,7 +48,7 @@ class DropPatternIndexes(migrations.operations.base.Operation):
     def database_backwards(self, app_label, schema_editor, from_state, to_state) -> None:
         if schema_editor.connection.vendor != "postgresql":
             return
-        model, fields = self._targets(app_label, schema_editor, to_state)
+        model, fields = self._targets(app_label, to_state)
         for field in fields:
             statement = schema_editor._create_like_index_sql(model, field)
             if statement is not None:
