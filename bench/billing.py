@@ -81,7 +81,7 @@ def measure_billing(org, key, model, requests: int) -> dict[str, list[float]]:
     from controlplane.billing import budgets
     from controlplane.billing.models import UsageRecord
     from controlplane.billing.pricing import max_cost
-    from controlplane.gateway.ratelimiting import take_rate_limit
+    from controlplane.dispatch.ratelimiting import take_rate_limit
     from controlplane.jobs.models import Job, new_request_id
 
     price = model.current_price()
@@ -133,7 +133,7 @@ def measure_admission_baseline(model, requests: int) -> list[float]:
     import dramatiq
 
     from controlplane.accounts.models import ApiKey, Org
-    from controlplane.gateway.admission import admit
+    from controlplane.dispatch.admission import admit
 
     org, _ = Org.objects.get_or_create(slug="bench-free", defaults={"name": "Unlimited"})
     _, secret = ApiKey.objects.create_key(org, "free")

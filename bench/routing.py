@@ -96,7 +96,7 @@ def seed(model_id: str, source: Path) -> dict[str, str]:
 
 def pinning_sessions(node_ids: list[str]) -> dict[str, str]:
     """For each node, an affinity header value whose rendezvous ranking puts it first."""
-    from controlplane.gateway.routing import rendezvous_rank
+    from controlplane.dispatch.routing import rendezvous_rank
 
     pins = {}
     for index in range(10_000):

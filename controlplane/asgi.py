@@ -168,8 +168,8 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.urls import path  # noqa: E402
 
+from controlplane.dispatch.tokenization import load_catalog_tokenizers  # noqa: E402
 from controlplane.events.consumers import EventsConsumer  # noqa: E402
-from controlplane.gateway.tokenization import load_catalog_tokenizers  # noqa: E402
 
 
 async def lifespan_application(scope, receive, send):

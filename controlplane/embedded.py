@@ -20,13 +20,13 @@ from django.conf import settings
 
 from controlplane.catalog.models import ServedModel
 from controlplane.catalog.registry import use_memory_heartbeat
+from controlplane.dispatch.redelivery import redispatch_open
 from controlplane.events.push import bind_loop
-from controlplane.jobs.redelivery import redispatch_open
 from inference.engine import EngineConfig, LLMEngine
-from inference.node.delta_publisher import DeltaPublisher
-from inference.node.heartbeat import MemoryHeartbeat
 from inference.node.node import Node
-from inference.node.protocol import CONTROLPLANE_QUEUE
+from inference.protocol.delta_publisher import DeltaPublisher
+from inference.protocol.heartbeat import MemoryHeartbeat
+from inference.protocol.messages import CONTROLPLANE_QUEUE
 
 logger = logging.getLogger(__name__)
 

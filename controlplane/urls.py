@@ -18,5 +18,5 @@ urlpatterns = [
     path("", RedirectView.as_view(url="/console/", permanent=False)),
 ]
 
-handler404 = "controlplane.gateway.errors.not_found"
-handler500 = "controlplane.gateway.errors.server_error"
+handler404 = "controlplane.api.errors.not_found"
+handler500 = "controlplane.api.errors.server_error"

@@ -14,7 +14,7 @@ DATABASES = {
 # The real Redis broker, in a namespace of this test run's own.
 TEST_BROKER_NAMESPACE = f"hearth-test-{os.getpid()}"
 DRAMATIQ_BROKER = {
-    "BROKER": "inference.node.keyed_messages.KeyedRedisBroker",
+    "BROKER": "inference.protocol.keyed_messages.KeyedRedisBroker",
     "OPTIONS": {
         "url": os.environ.get("HEARTH_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"),
         "namespace": TEST_BROKER_NAMESPACE,

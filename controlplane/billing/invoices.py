@@ -23,10 +23,10 @@ from decimal import ROUND_HALF_UP, Decimal
 from django.db import models, transaction
 from django.utils import timezone
 
+from controlplane.api.responses import epoch_seconds
 from controlplane.billing.pricing import PER_MILLION, decimal_string
 from controlplane.billing.reports import UsageTotals, month_bounds, summed, usage_days
 from controlplane.billing.usage_days import MONEY_SUM, UsageDay
-from controlplane.gateway.responses import epoch_seconds
 
 FINALIZE_AFTER = timedelta(hours=1)
 KINDS = ("input", "cached_input", "output")

@@ -20,8 +20,8 @@ class UsageRecordManager(models.Manager["UsageRecord"]):
         """Write the request's usage row: one INSERT.
 
         Call inside the transaction that settles the job, holding its row lock after checking it
-        unsettled (`Job.objects.record_completion`), so row and job change together and no other
-        row for the request can exist; should one, the unique `request_id` refuses the second
+        unsettled (jobs/settlement.py), so row and job change together and no other row for the
+        request can exist; should one, the unique `request_id` refuses the second
         (IntegrityError) rather than bill twice."""
         record = self.build(**fields)
         record.save(force_insert=True)

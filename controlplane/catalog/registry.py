@@ -22,7 +22,7 @@ from typing import Any
 
 from django.conf import settings
 
-from inference.node.heartbeat import (
+from inference.protocol.heartbeat import (
     LAST_SEEN_PREFIX,
     NODE_KEY_PREFIX,
     MemoryHeartbeat,

@@ -15,7 +15,7 @@ import threading
 
 from channels.layers import get_channel_layer
 
-from inference.node.delta_publisher import DeltaPublisher
+from inference.protocol.delta_publisher import DeltaPublisher
 
 _server_loop: asyncio.AbstractEventLoop | None = None
 _publisher: DeltaPublisher | None = None

@@ -9,7 +9,7 @@ harmless: the fan-out creates each first attempt once, and an attempt is sent on
 claims it. A resent attempt's `scheduled_at` moves to now, so a backlog in a healthy broker gets
 at most one extra message per attempt per grace period.
 
-Run by `manage.py sweepjobs` with the job sweep (controlplane/jobs/redelivery.py).
+Run by `manage.py sweepjobs` with the job sweep (controlplane/dispatch/redelivery.py).
 """
 
 from __future__ import annotations

@@ -32,11 +32,11 @@ from django.db import close_old_connections
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 
 from controlplane import layer_receive
-from controlplane.accounts.authentication import ApiKeyPrincipal, principal_from_header
 from controlplane.accounts.models import KeyRejected
+from controlplane.api.auth import ApiKeyPrincipal, principal_from_header
+from controlplane.api.errors import ApiError
 from controlplane.events.models import Event
 from controlplane.events.push import org_group
-from controlplane.gateway.errors import ApiError
 
 # A comment line this often keeps proxies from closing an idle stream; each is also a read of
 # the log, which delivers events whose push was lost.

@@ -11,7 +11,7 @@ import dramatiq
 from django.utils import timezone
 
 from controlplane.events.webhooks import WebhookDelivery
-from inference.node.protocol import CONTROLPLANE_QUEUE
+from inference.protocol.messages import CONTROLPLANE_QUEUE
 
 
 @dramatiq.actor(actor_name="fan_out_event", queue_name=CONTROLPLANE_QUEUE)

@@ -1,8 +1,9 @@
 """Webhooks: an org's endpoints, and every delivery attempt of its events to them.
 
 Deliveries follow the Standard Webhooks spec (standardwebhooks.com): the body is the event as
-the API shows it (`Event.as_message()`), signed with the endpoint's secret; `webhook-id` is the
-event's id, the same on every retry, so a receiver can drop duplicates.
+the API shows it (`Event.as_message()`), signed with the endpoint's secret by the spec's own
+`standardwebhooks` library; `webhook-id` is the event's id, the same on every retry, so a
+receiver can drop duplicates.
 
 Each attempt is a `WebhookDelivery` row, unique on (endpoint, event, attempt): the fan-out of an
 event creates attempt 1 per matching endpoint, and a failed attempt creates the next one. A row
@@ -19,8 +20,6 @@ the second lookup). `WEBHOOK_ALLOW_PRIVATE` lifts the rule (a laptop, a private 
 from __future__ import annotations
 
 import base64
-import hashlib
-import hmac
 import http.client
 import ipaddress
 import json
@@ -29,15 +28,16 @@ import random
 import secrets
 import socket
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.db import models, transaction
 from django.utils import timezone
+from standardwebhooks.webhooks import Webhook
 
-from controlplane.gateway.responses import epoch_seconds
+from controlplane.api.responses import epoch_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -73,14 +73,6 @@ def new_delivery_id() -> str:
 def new_secret() -> str:
     """`whsec_` and the base64 of 24 random bytes, the key format of Standard Webhooks."""
     return "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
-
-
-def sign(secret: str, message_id: str, timestamp: int, body: bytes) -> str:
-    """The `webhook-signature` header: `v1,` and the base64 HMAC-SHA256 of `id.timestamp.body`
-    under the key that `secret` encodes."""
-    key = base64.b64decode(secret.removeprefix("whsec_"))
-    signed = f"{message_id}.{timestamp}.".encode() + body
-    return "v1," + base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode()
 
 
 class UrlRejected(ValueError):
@@ -340,12 +332,15 @@ class WebhookDelivery(models.Model):
             return None
         body = json.dumps(self.event.as_message(), separators=(",", ":")).encode()
         timestamp = int(time.time())
+        signature = Webhook(endpoint.secret).sign(
+            self.event.id, datetime.fromtimestamp(timestamp, UTC), body
+        )
         headers = {
             "content-type": "application/json",
             "user-agent": "Hearth-Webhooks/1",
             "webhook-id": self.event.id,
             "webhook-timestamp": str(timestamp),
-            "webhook-signature": sign(endpoint.secret, self.event.id, timestamp, body),
+            "webhook-signature": signature,
         }
         timeout = settings.WEBHOOK_TIMEOUT_S
         status_code, excerpt, error = None, "", ""

@@ -11,6 +11,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from controlplane.api.errors import error_body
 from controlplane.events.webhooks import (
     EVENT_TYPES,
     UrlRejected,
@@ -18,7 +19,6 @@ from controlplane.events.webhooks import (
     delivery_object,
     endpoint_object,
 )
-from controlplane.gateway.errors import error_body
 
 DEFAULT_LIMIT, MAX_LIMIT = 20, 100
 

@@ -16,8 +16,9 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from controlplane.dispatch.batches import BatchRejected, create_batch
 from controlplane.gateway.pagination import cursor_page
-from controlplane.jobs.batches import Batch, BatchRejected
+from controlplane.jobs.batches import Batch
 from controlplane.jobs.files import File, FileRejected
 from controlplane.jobs.models import Job
 
@@ -115,7 +116,7 @@ class BatchList(APIView):
         if input_file is None:
             raise NotFound(f"No file with id '{file_id}'.", code="file_not_found")
         try:
-            batch = Batch.objects.create_batch(
+            batch = create_batch(
                 request.user,
                 input_file,
                 body.get("endpoint"),

@@ -29,16 +29,16 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.views.decorators.csrf import csrf_exempt
 
 from controlplane import layer_receive
-from controlplane.gateway.admission import Admission, admit
-from controlplane.gateway.errors import ApiError
-from controlplane.gateway.idempotency import idempotent
-from controlplane.gateway.responses import (
+from controlplane.api.errors import ApiError
+from controlplane.api.responses import (
     completion_response,
     node_choices,
     parses_tool_calls,
     stream_chunk,
     tool_call_id,
 )
+from controlplane.dispatch.admission import Admission, admit
+from controlplane.gateway.idempotency import idempotent
 from controlplane.jobs.models import Job
 from controlplane.jobs.serializers import job_object
 from inference.structured.tool_calls import ToolCallStream

@@ -34,9 +34,9 @@ from asgiref.sync import sync_to_async
 from django.db import close_old_connections
 from django.http import HttpRequest, HttpResponse
 
-from controlplane.accounts.authentication import principal_from_header
 from controlplane.accounts.models import KeyRejected
-from controlplane.gateway.errors import ApiError
+from controlplane.api.auth import principal_from_header
+from controlplane.api.errors import ApiError
 from controlplane.gateway.models import IdempotencyKey
 
 MAX_KEY_LENGTH = 255

@@ -9,23 +9,26 @@ from __future__ import annotations
 
 import logging
 import secrets
-from dataclasses import dataclass
 from decimal import Decimal
-from functools import lru_cache, partial
 from typing import Any
 
 import dramatiq
 from django.conf import settings
-from django.db import connection, connections, models, transaction
+from django.db import connection, models, transaction
 from django.db.models.sql import InsertQuery
 from django.utils import timezone
 
 from controlplane import json_rows
+from controlplane.accounts.models import Org
 from controlplane.billing import budgets
-from controlplane.billing.models import UsageRecord
 from controlplane.events.models import Event
-from controlplane.gateway.metrics import count_route_tokens
-from inference.node.protocol import ABORT_ACTOR, control_queue
+
+# The app's other models live in their own modules; Django registers them from this one.
+from controlplane.jobs.batches import Batch
+from controlplane.jobs.files import File  # noqa: F401 (registered here)
+from controlplane.jobs.serializers import job_object
+from controlplane.joined_rows import instances_from_row
+from inference.protocol.messages import ABORT_ACTOR, control_queue
 
 logger = logging.getLogger(__name__)
 
@@ -43,54 +46,11 @@ def new_request_id() -> str:
 SETTLED_FIELDS = ["status", "node", "started_at", "finished_at"]
 
 
-def instances_from_row(row, models_in_row) -> list[Any]:
-    """One loaded instance per model of a raw row that holds each model's concrete columns in
-    turn (a hand-written join); None for a model whose columns are all NULL (an outer join
-    that found nothing)."""
-    instances = []
-    for model in models_in_row:
-        fields = model._meta.concrete_fields
-        values, row = row[: len(fields)], row[len(fields) :]
-        if all(value is None for value in values):
-            instances.append(None)
-            continue
-        names, converters = _loading(connections[connection.alias], model)
-        instances.append(model.from_db(connection.alias, names, _from_db(converters, values)))
-    return instances
-
-
-@lru_cache(maxsize=64)
-def _loading(wrapper, model) -> tuple[list[str], list[tuple[Any, list]]]:
-    """The attribute names of `model`'s concrete fields, and each column with the converters
-    the ORM applies when it loads a row through `wrapper` (a thread's connection, not the
-    thread-local proxy): JSON parsed, and so on. Found once per connection and model: working
-    them out for every row cost the worker an eighth of its CPU (bench/job_queue.py)."""
-    fields = model._meta.concrete_fields
-    converters = []
-    for field in fields:
-        column = field.get_col(model._meta.db_table)
-        converts = wrapper.ops.get_db_converters(column)
-        converters.append((column, converts + column.get_db_converters(wrapper)))
-    return [f.attname for f in fields], converters
-
-
-def _from_db(converters, row) -> list[Any]:
-    """A raw row's values as the ORM would load them."""
-    values = []
-    for (column, converts), value in zip(converters, row, strict=True):
-        for convert in converts:
-            value = convert(value, column, connection)
-        values.append(value)
-    return values
-
-
 class JobManager(models.Manager["Job"]):
     def submit_all(self, jobs: list[Job]) -> list[Job]:
         """Insert queued jobs and their `job.queued` events together, in one transaction (the
         caller's, if it holds one): one INSERT of the jobs, sent with the events' statements
         (EventManager.emit_all), so on PostgreSQL the whole is one round trip."""
-        from controlplane.jobs.serializers import job_object
-
         if not jobs:
             return jobs
         fields = [f for f in self.model._meta.concrete_fields if not f.generated]
@@ -118,8 +78,6 @@ class JobManager(models.Manager["Job"]):
         waited, or by another node), or started more than JOB_MAX_ATTEMPTS times (its request
         keeps killing nodes), is stopped on that node instead; past the attempts it is failed.
         A job this node has already finished is left alone: its result overtook this notice."""
-        from controlplane.jobs.serializers import job_object
-
         request_ids = [start["request_id"] for start in starts]
         with transaction.atomic():
             claimed = self._claim_queued(request_ids, node)
@@ -154,8 +112,6 @@ class JobManager(models.Manager["Job"]):
         of `request_ids` that is queued, as one statement that returns them with their orgs
         (what `Job.start` does in a SELECT, an UPDATE and a refresh each), by request id. Empty
         on SQLite, which has no UPDATE in a WITH: there `Job.start` does it."""
-        from controlplane.accounts.models import Org
-
         if connection.vendor != "postgresql":
             return {}
         job_fields, org_fields = Job._meta.concrete_fields, Org._meta.concrete_fields
@@ -188,132 +144,6 @@ class JobManager(models.Manager["Job"]):
         for job in overdue.select_related("org").order_by("deadline_at")[:limit]:
             expired += job.expire(now)
         return expired
-
-    def record_completion(self, payload: dict[str, Any]) -> bool:
-        """Settle the job of one node result (`record_completions`); False if it was already
-        settled (a redelivery) or is unknown."""
-        return self.record_completions([payload])[0]
-
-    def record_completions(self, payloads: list[dict[str, Any]]) -> list[bool]:
-        """Settle the jobs of node results (a node sends what one engine step finished
-        together) and bill them; for each, whether it settled its job (False: already settled,
-        a redelivery, or unknown). One transaction for all of them. If it fails (a deadlock's
-        victim, a result that cannot be recorded), each goes in a transaction of its own, so
-        one bad result holds up none of the others; the first error is raised after them, for
-        Dramatiq to deliver the message again (what settled then settles nothing)."""
-        if len(payloads) > 1:
-            try:
-                with transaction.atomic():
-                    return self._settle(payloads)
-            except Exception:
-                logger.warning("settling %d results together failed", len(payloads), exc_info=True)
-        settled, failure = [], None
-        for payload in payloads:
-            try:
-                with transaction.atomic():
-                    settled += self._settle([payload])
-            except Exception as error:
-                failure = failure or error
-                settled.append(False)
-        if failure is not None:
-            raise failure
-        return settled
-
-    def _settle(self, payloads: list[dict[str, Any]]) -> list[bool]:
-        """`record_completions` inside the caller's transaction: the jobs under their row locks
-        (serialising concurrent deliveries of one result), then every write at once. Reads and
-        writes in jobs/settling.py."""
-        from controlplane.jobs import settling  # it imports this module
-
-        locked = settling.lock_for_settling([payload["request_id"] for payload in payloads])
-        now = timezone.now()
-        settled, settlements = [], []
-        for payload in payloads:
-            loaded = locked.get(payload["request_id"])
-            if loaded is None:
-                logger.warning("record_completion for unknown request %s", payload["request_id"])
-            job = None if loaded is None else loaded[0]
-            # Terminal: settled before, or earlier in this same list (a result twice).
-            settled.append(job is not None and job.status not in Job.TERMINAL)
-            if settled[-1]:
-                settlements.append(_settlement(job, loaded[1], payload, now))
-        settling.write_settlements(settlements)
-        for settlement in settlements:
-            if settlement.job.batch_id is not None:
-                Batch.objects.job_settled(settlement.job)  # after the events: see Job.emit
-        routed = [
-            (s.job.model, s.job.route, s.job.result["usage"])
-            for s in settlements
-            if s.job.route and s.record is not None
-        ]
-        if routed:
-            transaction.on_commit(partial(count_route_tokens, routed), robust=True)
-        return settled
-
-
-@dataclass
-class Settlement:
-    """What settling one job writes: the job as settled, its usage row (None: nothing billed),
-    the cost the budgets settle, and its events (type, data)."""
-
-    job: Job
-    record: UsageRecord | None
-    cost: Decimal
-    events: list[tuple[str, dict[str, Any]]]
-
-
-def _settlement(job: Job, price, payload: dict[str, Any], now) -> Settlement:
-    """Decide how a node's result settles `job` (open, locked) at `price`; changes `job`."""
-    from controlplane.jobs import serializers  # it imports this module
-
-    events = []
-    job.node = payload.get("node") or ""
-    if payload.get("error") is None and job.status == Job.QUEUED:
-        # The worker took the result before the node's `record_started` notice (they are
-        # separate messages): the job did run, so it passes through running here, and the late
-        # notice finds it no longer queued.
-        job.status, job.started_at = Job.RUNNING, now
-        job.attempts += 1
-        events.append(("job.running", serializers.job_object(job)))
-    job.finished_at = now
-    job.started_at = job.started_at or now
-    record, cost = None, Decimal(0)
-    if payload.get("error"):
-        job.status = Job.EXPIRED if payload.get("error_code") == "expired" else Job.FAILED
-        job.error = payload["error"]
-    else:
-        usage = payload["usage"]
-        record = UsageRecord.objects.build(
-            request_id=job.request_id,
-            org_id=job.org_id,
-            api_key_id=job.api_key_id,
-            model=job.model,
-            mode=job.mode,
-            prompt_tokens=usage["prompt_tokens"],
-            cached_tokens=usage["cached_tokens"],
-            completion_tokens=usage["completion_tokens"],
-            price=price,
-            discount_percent=Job.discount_percent(price, job.mode),
-        )
-        cost = record.total_cost
-        # Stopped early on purpose: billed for what it generated, settled as what stopped it.
-        job.status = Job.COMPLETED
-        if payload["finish_reason"] == "deadline":
-            job.status = Job.EXPIRED
-        elif payload["finish_reason"] == "abort" and job.cancel_requested_at is not None:
-            job.status = Job.CANCELLED
-        job.result = {
-            "text": payload["text"],
-            "token_ids": payload["token_ids"],
-            "finish_reason": payload["finish_reason"],
-            "usage": usage,
-            "cost": record.cost_object(),
-            "timings": payload.get("timings") or {},
-            "logprobs": payload.get("logprobs"),
-            "choices": payload.get("choices"),
-        }
-    events.append((f"job.{job.status}", serializers.job_object(job)))
-    return Settlement(job, record, cost, events)
 
 
 class Job(models.Model):
@@ -356,7 +186,7 @@ class Job(models.Model):
     deadline_at = models.DateTimeField(null=True, blank=True)
     cancel_requested_at = models.DateTimeField(null=True, blank=True)
     # Where its generation message was sent, the how-many-th time, and when: the broker holds it
-    # under `message_key()` until a node answers it (controlplane/jobs/redelivery.py).
+    # under `message_key()` until a node answers it (controlplane/dispatch/redelivery.py).
     queue = models.CharField(max_length=300, blank=True)
     # Why admission chose that queue (gateway/routing.py): the route counters' key.
     route = models.CharField(max_length=24, blank=True)
@@ -488,8 +318,6 @@ class Job(models.Model):
         batch counts its settled jobs. The count comes after the event: every settling
         transaction then takes the org's event lock before the batch row, never the reverse,
         so two of them cannot deadlock."""
-        from controlplane.jobs.serializers import job_object
-
         event = Event.objects.emit(self.org, type, job_object(self))
         if self.batch_id is not None and self.status in Job.TERMINAL:
             Batch.objects.job_settled(self)
@@ -501,13 +329,13 @@ class Job(models.Model):
         return price.async_discount_percent if mode in (Job.ASYNC, Job.BATCH) else 0
 
     def message_key(self) -> str:
-        """Its current generation message's key in the broker (inference.node.keyed_messages)."""
+        """Its current generation message's key in the broker (protocol.keyed_messages)."""
         return f"{self.request_id}.{self.dispatches}"
 
     def generation_message(
         self, reply_channel: str | None = None, deadline: float | None = None
     ) -> dict[str, Any]:
-        """The broker message body a node serves this job from (inference.node.protocol);
+        """The broker message body a node serves this job from (inference.protocol.messages);
         `deadline` is epoch seconds after which the engine stops it."""
         return {
             "request_id": self.request_id,
@@ -519,8 +347,3 @@ class Job(models.Model):
             "deadline": deadline,
             "attempt": self.attempts + 1,
         }
-
-
-# Files and batches live in their own modules; Django registers an app's models from this one.
-from controlplane.jobs.batches import Batch  # noqa: E402
-from controlplane.jobs.files import File  # noqa: E402, F401

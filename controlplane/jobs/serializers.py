@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from controlplane.gateway.responses import (
+from controlplane.api.responses import (
     completion_response,
     epoch_seconds,
     parses_tool_calls,

@@ -30,7 +30,7 @@ SECURITY_SCHEME = {"type": "http", "scheme": "bearer", "description": "An API ke
 class ApiKeyAuthenticationScheme(OpenApiAuthenticationExtension):
     """Tells drf-spectacular what `ApiKeyAuthentication` is: a Bearer API key."""
 
-    target_class = "controlplane.accounts.authentication.ApiKeyAuthentication"
+    target_class = "controlplane.api.auth.ApiKeyAuthentication"
     name = "ApiKeyAuth"
 
     def get_security_definition(self, auto_schema):

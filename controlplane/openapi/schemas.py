@@ -9,8 +9,8 @@ import json
 from functools import cache
 from typing import Any
 
+from controlplane.dispatch.validation import MAX_DEADLINE_S
 from controlplane.events.webhooks import EVENT_TYPES
-from controlplane.gateway.validation import MAX_DEADLINE_S
 from controlplane.openapi.vendor import SUBSET_PATH
 
 

@@ -15,9 +15,9 @@ import threading
 import uuid
 
 from inference.engine import EngineConfig, LLMEngine
-from inference.node.delta_publisher import DeltaPublisher
-from inference.node.heartbeat import RedisHeartbeat
 from inference.node.node import Node
+from inference.protocol.delta_publisher import DeltaPublisher
+from inference.protocol.heartbeat import RedisHeartbeat
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,7 +50,7 @@ def make_broker(args: argparse.Namespace):
         from dramatiq.brokers.rabbitmq import RabbitmqBroker
 
         return RabbitmqBroker(url=url)
-    from inference.node.keyed_messages import KeyedRedisBroker
+    from inference.protocol.keyed_messages import KeyedRedisBroker
 
     return KeyedRedisBroker(
         url=url,

@@ -29,16 +29,16 @@ from inference.engine.llm_engine import LLMEngine
 from inference.engine.outputs import RequestOutput, Timings
 from inference.engine.sampling_params import SamplingParams
 from inference.errors import InvalidRequestError, RequestExpiredError
-from inference.node.delta_publisher import DeltaPublisher
-from inference.node.heartbeat import DIGEST_MAX_BLOCKS, encode_prefix_digest
-from inference.node.keyed_messages import (
+from inference.protocol.delta_publisher import DeltaPublisher
+from inference.protocol.heartbeat import DIGEST_MAX_BLOCKS, encode_prefix_digest
+from inference.protocol.keyed_messages import (
     RECORD_SUFFIX,
     ack_all,
     enqueue_keyed,
     enqueue_results,
     message_key,
 )
-from inference.node.protocol import (
+from inference.protocol.messages import (
     ABORT_ACTOR,
     CONTROLPLANE_QUEUE,
     RECORD_COMPLETION_ACTOR,
@@ -257,7 +257,7 @@ class Node:
             Timings(),
             error=str(error),
             error_code="expired" if isinstance(error, RequestExpiredError) else None,
-        )
+        ).as_message()
         self._record(payload, message)
         if request.reply_channel and self.publisher:
             self.publisher.send(
@@ -338,7 +338,7 @@ class Node:
         counts once; completion tokens add up over the choices."""
         first, output = flight.choices[0], flight.output
         wants_logprobs = flight.request.sampling.logprobs
-        payload = completion_payload(
+        result = completion_payload(
             flight.request,
             self.node_id,
             "".join(first.text),
@@ -350,7 +350,7 @@ class Node:
             logprobs=first.logprobs if wants_logprobs else None,
         )
         if flight.request.n > 1:
-            payload["choices"] = [
+            result.choices = [
                 {
                     "text": "".join(c.text),
                     "token_ids": c.token_ids,
@@ -359,8 +359,8 @@ class Node:
                 }
                 for c in flight.choices
             ]
-            payload["usage"]["completion_tokens"] = sum(len(c.token_ids) for c in flight.choices)
-        return payload
+            result.usage.completion_tokens = sum(len(c.token_ids) for c in flight.choices)
+        return result.as_message()
 
     def send_unrecorded(self) -> None:
         """Record the results finished while the broker was away, then ack their messages (an

@@ -9,7 +9,7 @@ import pytest
 from controlplane.accounts.management.commands.demo import DEMO_PRICES
 from controlplane.accounts.models import ApiKey, Org
 from controlplane.catalog.models import Price, ServedModel
-from controlplane.gateway.group_commit import stop_writer
+from controlplane.dispatch.group_commit import stop_writer
 
 
 def priced_model(model_id: str, source: str, context_length: int) -> ServedModel:

@@ -22,12 +22,14 @@ from django.db import connections
 from django.utils import timezone
 
 from controlplane.catalog.registry import use_memory_heartbeat
+from controlplane.dispatch.batches import wants_one_node
 from controlplane.events.models import Event
-from controlplane.jobs.batches import Batch, wants_one_node
+from controlplane.jobs.batches import Batch
 from controlplane.jobs.files import File
 from controlplane.jobs.models import Job
-from inference.node.heartbeat import MemoryHeartbeat
-from inference.node.protocol import model_queue, node_queue
+from controlplane.jobs.settlement import record_completion
+from inference.protocol.heartbeat import MemoryHeartbeat
+from inference.protocol.messages import CompletionResult, Usage, model_queue, node_queue
 from tests.controlplane.conftest import priced_model
 from tests.controlplane.openai_spec import validate
 
@@ -96,27 +98,21 @@ def upload(client, key: str, content: bytes, purpose: str = "batch"):
     return client.post("/v1/files", data, HTTP_AUTHORIZATION=f"Bearer {key}")
 
 
-def result_for(job: Job, cached: int = 0, finish_reason: str = "stop") -> dict:
-    return {
-        "request_id": job.request_id,
-        "job_id": job.id,
-        "node": "node-1",
-        "text": f"answer to {job.custom_id}",
-        "token_ids": [1, 2, 3],
-        "finish_reason": finish_reason,
-        "error": None,
-        "usage": {
-            "prompt_tokens": len(job.prompt_token_ids),
-            "cached_tokens": cached,
-            "completion_tokens": 3,
-        },
-        "timings": {},
-    }
+def result_for(job: Job, cached: int = 0, finish_reason: str = "stop") -> CompletionResult:
+    return CompletionResult(
+        request_id=job.request_id,
+        job_id=job.id,
+        node="node-1",
+        text=f"answer to {job.custom_id}",
+        token_ids=[1, 2, 3],
+        finish_reason=finish_reason,
+        usage=Usage(len(job.prompt_token_ids), cached, 3),
+    )
 
 
 def settle(job: Job, cached: int = 0) -> None:
     Job.objects.record_started({"request_id": job.request_id, "node": "node-1"})
-    Job.objects.record_completion(result_for(job, cached))
+    record_completion(result_for(job, cached))
 
 
 def create_batch(sdk, lines: list, endpoint: str = CHAT):
@@ -258,7 +254,7 @@ def test_cancel_midway_ends_cancelled_with_partial_output(sdk, tiny):
     statuses = {job.custom_id: job.status for job in Job.objects.filter(batch_id=batch.id)}
     assert statuses == {"a": "completed", "b": "running", "c": "cancelled", "d": "cancelled"}
     # The node stops b and reports what it generated; that settles the batch.
-    Job.objects.record_completion(result_for(jobs["b"], finish_reason="abort"))
+    record_completion(result_for(jobs["b"], finish_reason="abort"))
     cancelled = sdk.batches.retrieve(batch.id)
     assert cancelled.status == "cancelled" and cancelled.cancelled_at
     assert (cancelled.request_counts.completed, cancelled.request_counts.failed) == (1, 3)
@@ -359,7 +355,7 @@ def test_finalization_happens_once_when_the_last_settlements_race(sdk, tiny):
     def finish(job: Job) -> None:
         try:
             barrier.wait()
-            Job.objects.record_completion(result_for(job))
+            record_completion(result_for(job))
         except Exception as error:  # pragma: no cover - reported below
             errors.append(error)
         finally:

@@ -13,14 +13,16 @@ from django.db import connection
 from django.utils import timezone
 
 from controlplane.accounts.models import ApiKey, Org
+from controlplane.api.errors import ApiError
 from controlplane.billing.budgets import SpendCounter, key_scope, month_of
 from controlplane.billing.models import UsageRecord
 from controlplane.billing.pricing import compute_costs, max_cost
 from controlplane.catalog.models import Price
+from controlplane.dispatch.admission import admit
 from controlplane.events.models import Event
-from controlplane.gateway.admission import admit
-from controlplane.gateway.errors import ApiError
 from controlplane.jobs.models import Job
+from controlplane.jobs.settlement import record_completion, record_completions
+from inference.protocol.messages import CompletionResult, Usage
 
 pytestmark = pytest.mark.django_db(transaction=True)  # admission commits, as in production
 
@@ -37,25 +39,21 @@ def submit(key: str, model: str, max_tokens: int, queue: bool = True) -> Job:
     return admit(f"Bearer {key}", body(model, max_tokens, queue), Job.TEXT, None, None).job
 
 
-def result(job: Job, completion: int, cached: int = 0) -> dict:
+def result(job: Job, completion: int, cached: int = 0) -> CompletionResult:
     """A node's result for `job` that generated `completion` tokens."""
-    return {
-        "request_id": job.request_id,
-        "node": "node-1",
-        "text": "ok",
-        "token_ids": list(range(completion)),
-        "finish_reason": "length",
-        "error": None,
-        "usage": {
-            "prompt_tokens": len(job.prompt_token_ids),
-            "cached_tokens": cached,
-            "completion_tokens": completion,
-        },
-    }
+    return CompletionResult(
+        request_id=job.request_id,
+        job_id=job.id,
+        node="node-1",
+        text="ok",
+        token_ids=list(range(completion)),
+        finish_reason="length",
+        usage=Usage(len(job.prompt_token_ids), cached, completion),
+    )
 
 
 def complete(job: Job, completion: int, cached: int = 0) -> None:
-    Job.objects.record_completion(result(job, completion, cached))
+    record_completion(result(job, completion, cached))
 
 
 def counter(org, scope="org") -> SpendCounter:
@@ -144,8 +142,8 @@ def test_results_settled_together_settle_the_budgets_as_one_at_a_time_would(org_
     failed = submit(other, tiny.id, 40)
     assert counter(org_a).reserved == cost * 5
     payloads = [result(job, n) for job, n in zip(jobs, [1, 5, 40, 7], strict=True)]
-    payloads.append({"request_id": failed.request_id, "error": "bad request"})
-    assert Job.objects.record_completions(payloads) == [True] * 5
+    payloads.append(CompletionResult(failed.request_id, node="node-1", error="bad request"))
+    assert record_completions(payloads) == [True] * 5
     ledger = {r.request_id: r.total_cost for r in UsageRecord.objects.filter(org=org_a)}
     assert (counter(org_a).spent, counter(org_a).reserved) == (sum(ledger.values()), 0)
     key_counter = counter(org_a, key_scope(limited.pk))
@@ -163,7 +161,7 @@ def test_a_job_that_never_runs_releases_everything(org_a, key_a, tiny, budgeted,
     elif ending == "fail":
         job.fail("broken")
     else:
-        Job.objects.record_completion({"request_id": job.request_id, "error": "bad request"})
+        record_completion(CompletionResult(job.request_id, node="node-1", error="bad request"))
     assert (counter(org_a).spent, counter(org_a).reserved) == (0, 0)
     job.cancel()  # settled already: releases nothing twice
     assert counter(org_a).reserved == 0

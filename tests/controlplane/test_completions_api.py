@@ -136,7 +136,7 @@ def test_a_queued_job_keeps_the_deadline_it_asked_for(post, tiny, key_a):
 
 def test_start_up_loads_the_catalogs_tokenizers_and_skips_a_broken_one(tiny):
     from controlplane.catalog.models import ServedModel
-    from controlplane.gateway import tokenization
+    from controlplane.dispatch import tokenization
 
     ServedModel.objects.create(id="gone", source="/nonexistent/weights", context_length=64)
     ServedModel.objects.create(id="off", source="/also/missing", context_length=64, enabled=False)

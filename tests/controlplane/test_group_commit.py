@@ -1,4 +1,4 @@
-"""Group commit (controlplane/gateway/group_commit.py): concurrent admissions share their
+"""Group commit (controlplane/dispatch/group_commit.py): concurrent admissions share their
 transactions, and each caller is told what it would be told alone."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from django.db import IntegrityError, connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from controlplane.api.errors import ApiError
 from controlplane.billing.budgets import SpendCounter
+from controlplane.dispatch.admission import admit
+from controlplane.dispatch.group_commit import PendingJob, write_group
 from controlplane.events.models import Event
-from controlplane.gateway.admission import admit
-from controlplane.gateway.errors import ApiError
-from controlplane.gateway.group_commit import PendingJob, write_group
 from controlplane.jobs.models import Job
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -3,6 +3,7 @@ that expire jobs, and the attempt cap; each state change one event, another org'
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 
 import dramatiq
@@ -12,7 +13,8 @@ from django.utils import timezone
 from controlplane.billing.models import UsageRecord
 from controlplane.events.models import Event
 from controlplane.jobs.models import Job
-from inference.node.protocol import ABORT_ACTOR, control_queue
+from controlplane.jobs.settlement import record_completion
+from inference.protocol.messages import ABORT_ACTOR, CompletionResult, Usage, control_queue
 from tests.controlplane.openai_spec import validate
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -33,18 +35,16 @@ def make_job(org, **fields) -> Job:
     return job
 
 
-def result_for(job: Job, finish_reason: str = "stop", completion: int = 5) -> dict:
-    return {
-        "request_id": job.request_id,
-        "job_id": job.id,
-        "node": "node-1",
-        "text": "hello",
-        "token_ids": list(range(completion)),
-        "finish_reason": finish_reason,
-        "error": None,
-        "usage": {"prompt_tokens": 4, "cached_tokens": 0, "completion_tokens": completion},
-        "timings": {},
-    }
+def result_for(job: Job, finish_reason: str = "stop", completion: int = 5) -> CompletionResult:
+    return CompletionResult(
+        request_id=job.request_id,
+        job_id=job.id,
+        node="node-1",
+        text="hello",
+        token_ids=list(range(completion)),
+        finish_reason=finish_reason,
+        usage=Usage(4, 0, completion),
+    )
 
 
 def event_types(job: Job) -> list[str]:
@@ -82,7 +82,7 @@ def test_it_lists_the_orgs_jobs_newest_first_in_pages(api, org_a, org_b, key_a, 
 
 def test_it_filters_by_status_and_refuses_bad_parameters(api, org_a, key_a, smollm2):
     queued, done = make_job(org_a), make_job(org_a)
-    Job.objects.record_completion(result_for(done))
+    record_completion(result_for(done))
     data = api.get("/v1/jobs?status=completed", key_a).json()["data"]
     assert [j["id"] for j in data] == [done.id]
     assert [j["id"] for j in api.get("/v1/jobs?status=queued", key_a).json()["data"]] == [queued.id]
@@ -105,7 +105,7 @@ def test_a_queued_job_shows_its_place_in_the_models_queue(api, org_a, org_b, key
     positions = [api.get(f"/v1/jobs/{job.id}", key_a).json()["queue_position"] for job in mine]
     assert positions == [1, 2]
     assert api.get(f"/v1/jobs/{mine[0].id}", key_a).json()["estimated_start_s"] is None
-    Job.objects.record_completion(result_for(theirs))  # one completion: a throughput to go by
+    record_completion(result_for(theirs))  # one completion: a throughput to go by
     body = api.get(f"/v1/jobs/{mine[1].id}", key_a).json()
     assert body["queue_position"] == 1 and body["estimated_start_s"] > 0
 
@@ -117,7 +117,7 @@ def test_cancelling_a_queued_job_settles_it_at_once(client, org_a, key_a, smollm
     # A second cancel changes nothing; a late start notice stops it on the node that took it.
     assert post(client, f"/v1/jobs/{job.id}/cancel", key_a).json()["status"] == "cancelled"
     Job.objects.record_started({"request_id": job.request_id, "node": "node-9"})
-    assert not Job.objects.record_completion(result_for(job))
+    assert not record_completion(result_for(job))
     assert event_types(job) == ["job.queued", "job.cancelled"]
     assert not UsageRecord.objects.exists()
 
@@ -132,7 +132,7 @@ def test_cancelling_a_running_job_stops_it_on_its_node_and_bills_what_it_generat
     assert body["status"] == "running" and body["cancel_requested_at"] is not None
     assert control_messages(MODEL, "node-1") == [{"request_id": job.request_id}]
     # The node reports the request it stopped, with the 3 tokens it had generated.
-    assert Job.objects.record_completion(result_for(job, "abort", completion=3))
+    assert record_completion(result_for(job, "abort", completion=3))
     job.refresh_from_db()
     assert job.status == Job.CANCELLED and job.result["usage"]["completion_tokens"] == 3
     [record] = UsageRecord.objects.all()
@@ -159,7 +159,7 @@ def test_a_queued_job_past_its_deadline_is_expired(api, org_a, key_a, smollm2):
     assert api.get(f"/v1/jobs/{on_time.id}", key_a).json()["status"] == "queued"
     assert event_types(late) == ["job.queued", "job.expired"]
     # A node that takes the expired message later reports it without running it: no change.
-    Job.objects.record_completion({**result_for(late), "error": "late", "error_code": "expired"})
+    record_completion(replace(result_for(late), error="late", error_code="expired"))
     assert event_types(late) == ["job.queued", "job.expired"]
 
 
@@ -175,7 +175,7 @@ def test_the_sweep_expires_every_orgs_overdue_jobs(org_a, org_b, smollm2):
 def test_a_running_job_that_hits_its_deadline_is_expired_and_billed(org_a, smollm2):
     job = make_job(org_a)
     Job.objects.record_started({"request_id": job.request_id, "node": "node-1"})
-    assert Job.objects.record_completion(result_for(job, "deadline", completion=2))
+    assert record_completion(result_for(job, "deadline", completion=2))
     job.refresh_from_db()
     assert job.status == Job.EXPIRED and UsageRecord.objects.get().completion_tokens == 2
 
@@ -259,7 +259,7 @@ def test_a_start_notice_overtaken_by_its_own_result_changes_nothing(
     request the node has already finished. A new run of it (another node, or a later attempt on
     the same one) is still stopped."""
     job = make_job(org_a)
-    assert Job.objects.record_completion(result_for(job))  # from node-1, attempt 1
+    assert record_completion(result_for(job))  # from node-1, attempt 1
     notice = {"request_id": job.request_id, "attempt": 1}
     for node, attempt, stopped in [("node-1", 1, False), ("node-2", 1, True), ("node-1", 2, True)]:
         with django_capture_on_commit_callbacks(execute=True):

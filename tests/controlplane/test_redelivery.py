@@ -1,4 +1,4 @@
-"""The sweep that sends again what the broker lost: jobs (controlplane/jobs/redelivery.py) and
+"""The sweep that sends again what the broker lost: jobs (controlplane/dispatch/redelivery.py) and
 webhook work (controlplane/events/redelivery.py), on the real Redis broker. A loss is made the
 way a Redis restart without persistence makes it: the broker's keys are gone."""
 
@@ -12,24 +12,24 @@ import dramatiq
 import pytest
 from django.utils import timezone
 
-from controlplane.events.models import Event
-from controlplane.events.redelivery import resend_lost_webhooks
-from controlplane.events.webhooks import WebhookDelivery, WebhookEndpoint
-from controlplane.gateway.admission import admit
-from controlplane.jobs.models import Job
-from controlplane.jobs.redelivery import (
+from controlplane.dispatch.admission import admit
+from controlplane.dispatch.redelivery import (
     _dispatch_again,
     redeliver_lost,
     redispatch_open,
     reroute_from_dead_nodes,
 )
-from inference.node.keyed_messages import (
+from controlplane.events.models import Event
+from controlplane.events.redelivery import resend_lost_webhooks
+from controlplane.events.webhooks import WebhookDelivery, WebhookEndpoint
+from controlplane.jobs.models import Job
+from inference.protocol.keyed_messages import (
     RECORD_SUFFIX,
     enqueue_keyed,
     enqueue_results,
     held_keys,
 )
-from inference.node.protocol import CONTROLPLANE_QUEUE, RECORD_COMPLETION_ACTOR
+from inference.protocol.messages import CONTROLPLANE_QUEUE, RECORD_COMPLETION_ACTOR
 
 # Admission commits, and closes its connection as a request thread does.
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -227,8 +227,8 @@ def test_jobs_stranded_with_a_dead_node_are_dispatched_again_to_the_shared_queue
     """A node's own queue is read by that node alone: when it stops heartbeating, the open jobs
     queued there or running on it go to the shared queue; a live node's are left alone."""
     from controlplane.catalog import registry
-    from inference.node.heartbeat import MemoryHeartbeat
-    from inference.node.protocol import node_queue
+    from inference.protocol.heartbeat import MemoryHeartbeat
+    from inference.protocol.messages import node_queue
 
     heartbeat = MemoryHeartbeat()
     heartbeat("alive", {"id": "alive", "model": tiny.id, "free_slots": 1}, 60)
@@ -261,8 +261,8 @@ def test_a_node_quiet_past_its_heartbeat_but_not_for_long_keeps_its_jobs(
 
     import redis
 
-    from inference.node.heartbeat import LAST_SEEN_PREFIX, RedisHeartbeat
-    from inference.node.protocol import node_queue
+    from inference.protocol.heartbeat import LAST_SEEN_PREFIX, RedisHeartbeat
+    from inference.protocol.messages import node_queue
 
     settings.REDIS_URL = settings.DRAMATIQ_BROKER["OPTIONS"]["url"]  # the registry on Redis
     client = redis.Redis.from_url(settings.REDIS_URL)

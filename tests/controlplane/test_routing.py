@@ -15,8 +15,7 @@ from django.conf import settings as django_settings
 
 from controlplane.catalog import registry
 from controlplane.catalog.registry import MemoryRouteState, RedisRouteState, live_nodes
-from controlplane.gateway.metrics import TOKENS_KEY_PREFIX, route_counters
-from controlplane.gateway.routing import (
+from controlplane.dispatch.routing import (
     AFFINITY,
     AFFINITY_FAILOVER,
     LEAST_LOADED,
@@ -27,18 +26,21 @@ from controlplane.gateway.routing import (
     rendezvous_rank,
 )
 from controlplane.jobs.models import Job
+from controlplane.jobs.settlement import record_completion
+from controlplane.metrics import TOKENS_KEY_PREFIX, route_counters
 from inference.engine import EngineConfig, LLMEngine
 from inference.engine.block_hash import compute_block_hashes
-from inference.node.heartbeat import (
+from inference.node.node import Node
+from inference.protocol.heartbeat import (
     MemoryHeartbeat,
     decode_prefix_digest,
     encode_prefix_digest,
 )
-from inference.node.keyed_messages import KeyedRedisBroker
-from inference.node.node import Node
-from inference.node.protocol import CONTROLPLANE_QUEUE, GENERATE_ACTOR, model_queue, node_queue
+from inference.protocol.keyed_messages import KeyedRedisBroker
+from inference.protocol.messages import CONTROLPLANE_QUEUE, GENERATE_ACTOR, model_queue, node_queue
 from tests.controlplane.conftest import priced_model
 from tests.controlplane.test_jobs_billing import make_job, result_for
+from tests.prometheus_scrape import route_samples
 
 REDIS_URL = django_settings.DRAMATIQ_BROKER["OPTIONS"]["url"]
 MODEL = "tiny"
@@ -341,11 +343,11 @@ def test_a_completion_adds_its_tokens_to_its_decisions_counters_once(
     prefix_job = make_job(org_a, model=model, route=PREFIX)
     spread_job = make_job(org_a, model=model, route=SPREAD)
     with django_capture_on_commit_callbacks(execute=True):
-        assert Job.objects.record_completion(result_for(prefix_job, prompt=1000, cached=960))
+        assert record_completion(result_for(prefix_job, prompt=1000, cached=960))
     with django_capture_on_commit_callbacks(execute=True):
-        assert not Job.objects.record_completion(result_for(prefix_job))  # a redelivery
+        assert not record_completion(result_for(prefix_job))  # a redelivery
     with django_capture_on_commit_callbacks(execute=True):
-        assert Job.objects.record_completion(result_for(spread_job, prompt=500, cached=0))
+        assert record_completion(result_for(spread_job, prompt=500, cached=0))
     assert route_counters()[model] == {
         PREFIX: {"requests": 1, "prompt_tokens": 1000, "cached_tokens": 960},
         SPREAD: {"requests": 1, "prompt_tokens": 500, "cached_tokens": 0},
@@ -355,15 +357,22 @@ def test_a_completion_adds_its_tokens_to_its_decisions_counters_once(
     assert response["content-type"].startswith("text/plain; version=0.0.4")
     text = response.content.decode()
     assert "# TYPE hearth_route_cached_tokens_total counter" in text
-    assert f'hearth_route_cached_tokens_total{{model="{model}",decision="prefix"}} 960' in text
-    assert f'hearth_route_prompt_tokens_total{{model="{model}",decision="spread"}} 500' in text
-    assert f'hearth_route_requests_total{{model="{model}",decision="prefix"}} 1' in text
+    samples = route_samples(text)
+    assert samples["hearth_route_cached_tokens_total", model, "prefix"] == 960
+    assert samples["hearth_route_prompt_tokens_total", model, "spread"] == 500
+    assert samples["hearth_route_requests_total", model, "prefix"] == 1
+    # Prometheus asks for OpenMetrics first: the same counters in that format.
+    response = client.get("/metrics", HTTP_ACCEPT="application/openmetrics-text; version=1.0.0")
+    assert response["content-type"].startswith("application/openmetrics-text")
+    samples = route_samples(response.content.decode(), response["content-type"])
+    assert samples["hearth_route_cached_tokens_total", model, "prefix"] == 960
+    assert samples["hearth_route_requests_total", model, "spread"] == 1
 
 
 def test_a_failed_job_counts_nothing(org_a, redis_counters, django_capture_on_commit_callbacks):
     job = make_job(org_a, model=redis_counters, route=PREFIX)
     with django_capture_on_commit_callbacks(execute=True):
-        Job.objects.record_completion(result_for(job, error="boom"))
+        record_completion(result_for(job, error="boom"))
     assert redis_counters not in route_counters()
 
 

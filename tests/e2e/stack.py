@@ -143,7 +143,7 @@ class ProductionStack:
 
     def wait_ready(self, model: str, nodes: int, api_key: str, timeout_s: float = 120) -> None:
         """Until the gateway answers and `nodes` nodes of `model` heartbeat."""
-        from inference.node.heartbeat import NODE_KEY_PREFIX
+        from inference.protocol.heartbeat import NODE_KEY_PREFIX
 
         client = self.redis()
         deadline = time.time() + timeout_s

@@ -12,7 +12,7 @@ recording rolls back with its connection and is recorded again, once.
 (c) Redis, which CI runs without persistence, is killed and restarted while jobs are queued and
 running: every message is gone. The nodes and the worker reconnect; `sweepjobs` finds the open
 jobs whose messages the broker no longer holds and dispatches them again from the database, and
-sends the webhook fan-outs and attempts it lost (controlplane/jobs/redelivery.py,
+sends the webhook fan-outs and attempts it lost (controlplane/dispatch/redelivery.py,
 controlplane/events/redelivery.py).
 
 (d) A webhook receiver that answers 500, then too slowly, then well: every event arrives, signed,
@@ -37,7 +37,7 @@ from controlplane.billing.models import UsageRecord
 from controlplane.events.models import Event
 from controlplane.events.webhooks import WebhookDelivery
 from controlplane.jobs.models import Job
-from inference.node.protocol import CONTROLPLANE_QUEUE, RECORD_STARTED_ACTOR, model_queue
+from inference.protocol.messages import CONTROLPLANE_QUEUE, RECORD_STARTED_ACTOR, model_queue
 from tests.e2e.user_path import wait_for
 from tests.webhook_receiver import Receiver
 

@@ -14,8 +14,9 @@ import redis
 from django.conf import settings
 
 from controlplane.jobs.models import Job
-from inference.node.heartbeat import NODE_KEY_PREFIX
+from inference.protocol.heartbeat import NODE_KEY_PREFIX
 from tests.e2e.user_path import wait_for
+from tests.prometheus_scrape import route_samples
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -107,10 +108,9 @@ def test_without_the_header_prefix_aware_routing_keeps_the_conversation_on_its_n
     assert {job.node for job in jobs} == {node}
 
     # The counters, as Prometheus reads them (incremented after each completion's commit).
-    label = f'model="{tiny_model.id}",decision="prefix"'
+    def prefix_counter(series: str) -> float | None:
+        text = urllib.request.urlopen(f"{stack.url}/metrics", timeout=5).read().decode()
+        return route_samples(text).get((series, tiny_model.id, "prefix"))
 
-    def metrics() -> str:
-        return urllib.request.urlopen(f"{stack.url}/metrics", timeout=5).read().decode()
-
-    wait_for(lambda: f"hearth_route_requests_total{{{label}}} 4" in metrics(), what="counters")
-    assert f"hearth_route_cached_tokens_total{{{label}}} {cached}" in metrics()
+    wait_for(lambda: prefix_counter("hearth_route_requests_total") == 4, what="counters")
+    assert prefix_counter("hearth_route_cached_tokens_total") == cached

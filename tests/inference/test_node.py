@@ -14,16 +14,16 @@ from asgiref.sync import async_to_sync
 from channels_redis.core import RedisChannelLayer
 
 from inference.engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from inference.node.delta_publisher import DeltaPublisher
-from inference.node.keyed_messages import (
+from inference.node.node import Node
+from inference.protocol.delta_publisher import DeltaPublisher
+from inference.protocol.keyed_messages import (
     RECORD_SUFFIX,
     KeyedRedisBroker,
     enqueue_keyed,
     forget_results,
     held_keys,
 )
-from inference.node.node import Node
-from inference.node.protocol import (
+from inference.protocol.messages import (
     ABORT_ACTOR,
     CONTROLPLANE_QUEUE,
     GENERATE_ACTOR,
@@ -96,10 +96,10 @@ def collect_results(broker, count: int, timeout_s: float = 60) -> dict[str, dict
             started.update(start["request_id"] for start in message.args[0]["starts"])
         else:
             assert message.actor_name == RECORD_COMPLETION_ACTOR
-            for result in results_of(message.args[0]):  # one step's results, together
-                if not result["error"]:
-                    assert result["request_id"] in started, "record_started must precede it"
-                results[result["request_id"]] = result
+            for result in results_of(message.args[0]):  # a report window's results, together
+                if not result.error:
+                    assert result.request_id in started, "record_started must precede it"
+                results[result.request_id] = result.as_message()
         consumer.ack(message)
     consumer.close()
     return results
@@ -451,8 +451,8 @@ def test_the_results_of_one_step_travel_in_one_message_held_under_each_answered_
     [results] = [m for m in messages if m.actor_name == RECORD_COMPLETION_ACTOR]
     body = results.args[0]
     assert body["node"] == "node-1" and sorted(body["answered"]) == sorted(keys.values())
-    assert [r["request_id"] for r in results_of(body)] == ["x", "y", "z"]
-    assert all(r["usage"]["completion_tokens"] == 8 for r in results_of(body))
+    assert [r.request_id for r in results_of(body)] == ["x", "y", "z"]
+    assert all(r.usage.completion_tokens == 8 for r in results_of(body))
     assert held_keys(broker, recorded) == [True] * 3  # taken by a worker, not yet acked
     for message in messages:
         consumer.ack(message)

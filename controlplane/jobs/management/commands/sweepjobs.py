@@ -3,7 +3,7 @@
 - Queued jobs past their deadline are expired (reads of the jobs API expire an org's own; this
   catches the rest, so `job.expired` events and webhooks go out even when nobody looks).
 - Open jobs the broker lost (a Redis restarted without persistence), and open jobs stranded in
-  the queue of a node that died, are dispatched again (controlplane/jobs/redelivery.py), and
+  the queue of a node that died, are dispatched again (controlplane/dispatch/redelivery.py), and
   webhook fan-outs and attempts it lost are sent again
   (controlplane/events/redelivery.py).
 
@@ -18,9 +18,9 @@ import time
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
+from controlplane.dispatch.redelivery import redeliver_lost, reroute_from_dead_nodes
 from controlplane.events.redelivery import resend_lost_webhooks
 from controlplane.jobs.models import Job
-from controlplane.jobs.redelivery import redeliver_lost, reroute_from_dead_nodes
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ acks) or its result (until the worker records it): the node enqueues the result 
 A Redis that restarts without persistence, or fails over to a replica that lacked the latest
 writes, drops both. `redeliver_lost` finds every open job that has been in the broker longer
 than a grace period and of which the broker holds neither message (keys in
-inference/node/keyed_messages.py), and dispatches it again under a new key, to the route a new
+inference/protocol/keyed_messages.py), and dispatches it again under a new key, to the route a new
 request would take now (its old node may be gone).
 
 A job whose messages were lost while a node still runs it gets a second run; the node that
@@ -37,10 +37,11 @@ from django.db.models import F
 from django.utils import timezone
 
 from controlplane.catalog.registry import live_nodes, seen_within
-from controlplane.gateway.routing import choose_route
+from controlplane.dispatch.enqueue import dispatch
+from controlplane.dispatch.routing import choose_route
 from controlplane.jobs.models import Job
-from inference.node.keyed_messages import RECORD_SUFFIX, held_keys, keeps_keys
-from inference.node.protocol import CONTROLPLANE_QUEUE, queue_node
+from inference.protocol.keyed_messages import RECORD_SUFFIX, held_keys, keeps_keys
+from inference.protocol.messages import CONTROLPLANE_QUEUE, queue_node
 
 logger = logging.getLogger(__name__)
 BATCH = 500
@@ -106,8 +107,6 @@ def redispatch_open() -> int:
 
 def _dispatch_again(job: Job) -> int:
     """One more dispatch of `job` under a new key; 0 when it settled or another sweep took it."""
-    from controlplane.gateway.admission import dispatch
-
     route = choose_route(job.model, live_nodes(job.model), job.session_affinity or None)
     now = timezone.now()
     claimed = Job.objects.filter(

@@ -9,7 +9,7 @@ from functools import lru_cache
 
 from django.db import DatabaseError
 
-from controlplane.gateway.errors import ApiError
+from controlplane.api.errors import ApiError
 from inference.engine.tokenizer import Tokenizer
 from inference.errors import ModelLoadError
 from inference.models.loader import resolve_model_directory

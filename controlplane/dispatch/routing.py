@@ -36,8 +36,8 @@ from django.conf import settings
 
 from controlplane.catalog.registry import RouteState, route_state
 from inference.engine.block_hash import compute_block_hashes
-from inference.node.heartbeat import DIGEST_HASH_BYTES
-from inference.node.protocol import model_queue, node_queue
+from inference.protocol.heartbeat import DIGEST_HASH_BYTES
+from inference.protocol.messages import model_queue, node_queue
 
 AFFINITY, AFFINITY_FAILOVER = "affinity", "affinity_failover"
 PREFIX, LEAST_LOADED, SPREAD, SHARED = "prefix", "least_loaded", "spread", "shared"

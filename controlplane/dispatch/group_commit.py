@@ -30,8 +30,8 @@ from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connections, transaction
 from django.utils import timezone
 
+from controlplane.api.errors import ApiError
 from controlplane.billing import budgets
-from controlplane.gateway.errors import ApiError
 from controlplane.jobs.models import Job
 
 logger = logging.getLogger(__name__)

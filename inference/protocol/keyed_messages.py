@@ -6,7 +6,7 @@ until its ack, under a fresh uuid. Hearth enqueues a job's generation message un
 `<request_id>.<dispatch>` instead, and the node its result under `<that key>.record`; at every
 moment between admission and settlement one of the two is in the broker. When neither is (Redis
 restarted without persistence, or failed over to a replica that lacked them), the job was lost
-with the broker and the sweep dispatches it again (controlplane/jobs/redelivery.py).
+with the broker and the sweep dispatches it again (controlplane/dispatch/redelivery.py).
 
 A key must survive everything Dramatiq does to a message. Its Redis broker gives each enqueue a
 fresh uuid, and a retry (the Retries middleware, after an actor raised) or a delayed message's move

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from controlplane.gateway import structured_fields
-from controlplane.gateway.errors import ApiError
-from inference.node.protocol import MAX_N
+from controlplane.api.errors import ApiError
+from controlplane.dispatch import structured_fields
+from inference.protocol.messages import MAX_N
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 # Accepted and without effect on generation (OpenAI's bookkeeping fields).

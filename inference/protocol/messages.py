@@ -5,9 +5,10 @@ Generation requests arrive as Dramatiq messages for the actor `generate` on the 
 `request_id`, `job_id`, `org` (the prefix-cache namespace), `prompt_token_ids`, `sampling`
 (SamplingParams fields, plus `n`: how many completions), `reply_channel` (None for async
 work), `deadline` (epoch seconds or None), `attempt`. Results leave as `record_completion`
-messages on the control plane's queue: the results a node's engine step finished travel
-together, as `{"node", "results": [payload, …]}` (one broker message and one settling transaction
-for all of them); a single payload (`completion_payload`) is still accepted (`results_of`).
+messages on the control plane's queue, each result a `CompletionResult`: the results a node
+finished within its report window travel together, as `{"node", "results": [result, …],
+"answered"}` (one broker message and one settling transaction for all of them); a result
+finished alone travels as the message itself (`results_of` reads both).
 
 Each node also reads a control queue of its own, `infer.<model>.<node>.control`: `abort`
 messages (`{"request_id"}`) stop a request it runs (a cancelled job, or one past its attempts).
@@ -102,6 +103,53 @@ class GenerationRequest:
         )
 
 
+@dataclass
+class Usage:
+    """A result's token counts: the prompt, how much of it came from the prefix cache, and what
+    was generated (over every choice)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class CompletionResult:
+    """A node's result for one request: the argument of a `record_completion` message, or one
+    of its `results`. Built by the node, read by the control plane's worker, both through this
+    class, so neither side builds or reads the dict by hand. `error_code` "expired" marks a
+    request refused because its deadline passed before it started; `logprobs`, when the request
+    asked for them, holds one `logprob_entries` entry per generated token of the first choice;
+    `choices`, only when n > 1, every choice as `{text, token_ids, finish_reason, logprobs}`."""
+
+    request_id: str
+    node: str = ""
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage = dataclasses.field(default_factory=Usage)
+    job_id: str | None = None
+    attempt: int = 1
+    error: str | None = None
+    error_code: str | None = None
+    timings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    logprobs: list[dict[str, Any]] | None = None
+    choices: list[dict[str, Any]] | None = None
+
+    @classmethod
+    def from_message(cls, body: dict[str, Any]) -> CompletionResult:
+        """Read one result as a node sent it; KeyError or TypeError for a malformed one."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        known = {name: value for name, value in body.items() if name in fields}
+        known["usage"] = Usage(**(body.get("usage") or {}))
+        known["timings"] = body.get("timings") or {}
+        return cls(**known)
+
+    def as_message(self) -> dict[str, Any]:
+        """The result as it travels in a `record_completion` message."""
+        return dataclasses.asdict(self)
+
+
 def completion_payload(
     request: GenerationRequest,
     node_id: str,
@@ -114,34 +162,29 @@ def completion_payload(
     error: str | None = None,
     error_code: str | None = None,
     logprobs: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    """The argument of a `record_completion` message. `error_code` "expired" marks a request
-    refused because its deadline passed before it started; `logprobs`, when the request asked
-    for them, holds one `logprob_entries` entry per generated token."""
-    return {
-        "request_id": request.request_id,
-        "job_id": request.job_id,
-        "attempt": request.attempt,
-        "node": node_id,
-        "text": text,
-        "token_ids": token_ids,
-        "finish_reason": finish_reason,
-        "error": error,
-        "error_code": error_code,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "cached_tokens": cached_tokens,
-            "completion_tokens": len(token_ids),
-        },
-        "timings": dataclasses.asdict(timings),
-        "logprobs": logprobs,
-    }
+) -> CompletionResult:
+    """The result of `request` on `node_id` (CompletionResult; its completion tokens are the
+    first choice's until the node adds the others)."""
+    return CompletionResult(
+        request_id=request.request_id,
+        job_id=request.job_id,
+        attempt=request.attempt,
+        node=node_id,
+        text=text,
+        token_ids=token_ids,
+        finish_reason=finish_reason,
+        error=error,
+        error_code=error_code,
+        usage=Usage(prompt_tokens, cached_tokens, len(token_ids)),
+        timings=dataclasses.asdict(timings),
+        logprobs=logprobs,
+    )
 
 
-def results_of(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The result payloads a `record_completion` message carries: its `results`, or the message
-    itself when it is a single one."""
-    return body.get("results", [body])
+def results_of(body: dict[str, Any]) -> list[CompletionResult]:
+    """The results a `record_completion` message carries: its `results`, or the message itself
+    when it is a single one (a node sends a result alone under its own message key)."""
+    return [CompletionResult.from_message(result) for result in body.get("results", [body])]
 
 
 def storable_text(text: str) -> str:

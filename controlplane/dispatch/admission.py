@@ -15,26 +15,22 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import dramatiq
 from django.conf import settings
 from django.db import close_old_connections
 
-from controlplane.accounts.authentication import principal_from_header
 from controlplane.accounts.models import KeyRejected
+from controlplane.api.auth import principal_from_header
+from controlplane.api.errors import ApiError
 from controlplane.billing import budgets
 from controlplane.billing.pricing import max_cost
-from controlplane.catalog.models import ServedModel
 from controlplane.catalog.registry import live_nodes
-from controlplane.gateway.errors import ApiError
-from controlplane.gateway.group_commit import write_job
-from controlplane.gateway.ratelimiting import take_rate_limit
-from controlplane.gateway.responses import parses_tool_calls
-from controlplane.gateway.routing import Route, choose_route
-from controlplane.gateway.tokenization import prompt_token_ids, tokenizer_for
-from controlplane.gateway.validation import CompletionRequest, validate_completion_request
+from controlplane.dispatch.enqueue import enqueue_job
+from controlplane.dispatch.group_commit import write_job
+from controlplane.dispatch.preparing import PreparedRequest, prepare_request
+from controlplane.dispatch.ratelimiting import take_rate_limit
+from controlplane.dispatch.routing import Route, choose_route
+from controlplane.dispatch.validation import CompletionRequest
 from controlplane.jobs.models import Job
-from inference.node.keyed_messages import enqueue_keyed
-from inference.node.protocol import GENERATE_ACTOR
 
 logger = logging.getLogger(__name__)
 # Heartbeats come every 2 s: by then a busy node's free slots have been reported afresh.
@@ -59,43 +55,6 @@ def _parse(body: bytes):
         raise ApiError(
             400, f"The request body is not valid JSON: {error}", code="invalid_json"
         ) from None
-
-
-def _check_context(request: CompletionRequest, model: ServedModel, prompt_len: int) -> int:
-    """The request's max_tokens, defaulting to what the context leaves; 400 when it cannot fit."""
-    param = "messages" if request.messages is not None else "prompt"
-    room = model.context_length - prompt_len
-    if room < 1:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {model.context_length} tokens; the prompt "
-            f"has {prompt_len}.",
-            param=param,
-            code="context_length_exceeded",
-        )
-    if request.max_tokens is not None and request.max_tokens > room:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {model.context_length} tokens; the prompt "
-            f"has {prompt_len} and max_tokens asks for {request.max_tokens}.",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
-    return request.max_tokens or room
-
-
-def dispatch(job: Job, queue: str, reply_channel: str | None, deadline: float) -> None:
-    """Send the job's generation message to `queue`, under the job's message key."""
-    broker = dramatiq.get_broker()
-    broker.declare_queue(queue)  # the stub broker refuses undeclared queues; Redis's is a no-op
-    message = dramatiq.Message(
-        queue_name=queue,
-        actor_name=GENERATE_ACTOR,
-        args=(job.generation_message(reply_channel, deadline),),
-        kwargs={},
-        options={},
-    )
-    enqueue_keyed(broker, message, job.message_key())
 
 
 def admit(
@@ -168,48 +127,6 @@ def _admit(authorization, body, endpoint, session_affinity, reply_channel) -> Ad
     )
 
 
-@dataclass
-class PreparedRequest:
-    """A validated, tokenized request that fits its model's context: everything a Job needs."""
-
-    body: dict
-    request: CompletionRequest
-    model: ServedModel
-    prompt_token_ids: list[int]
-    sampling: dict
-
-    @property
-    def max_completion_tokens(self) -> int:
-        """The most it may generate: max_tokens for each of its n choices."""
-        return self.sampling["max_tokens"] * self.sampling.get("n", 1)
-
-
-def prepare_request(body: Any, endpoint: str) -> PreparedRequest:
-    """Validate a parsed body for `endpoint` ("chat.completions" or "completions"), find its
-    model, tokenize it with the model's own template and check the context; ApiError otherwise.
-    The completion views and each line of a batch go through this same step."""
-    request = validate_completion_request(body, endpoint)
-    model = ServedModel.objects.enabled(request.model)
-    if model is None:
-        raise ApiError(
-            404, f"The model '{request.model}' does not exist.", "model", "model_not_found"
-        )
-    tokenizer = tokenizer_for(model.source)
-    offered = request.tools if parses_tool_calls(body) else None
-    token_ids = prompt_token_ids(tokenizer, request.messages, request.prompt, offered)
-    bias = request.sampling.get("logit_bias") or {}
-    if any(int(token) >= tokenizer.vocab_size for token in bias):
-        raise ApiError(
-            400,
-            f"'logit_bias' names a token id outside the vocabulary [0, {tokenizer.vocab_size}).",
-            "logit_bias",
-            "invalid_value",
-        )
-    max_tokens = _check_context(request, model, len(token_ids))
-    sampling = {"temperature": 1.0, **request.sampling, "max_tokens": max_tokens}
-    return PreparedRequest(body, request, model, token_ids, sampling)
-
-
 def submit_prepared(
     prepared: PreparedRequest,
     principal,
@@ -244,19 +161,3 @@ def submit_prepared(
             Job.discount_percent(price, mode),
         )
     return write_job(job, cost)
-
-
-def enqueue_job(job: Job, route: Route, reply_channel: str | None, deadline: float) -> None:
-    """Send the job's generation message to its route; a broker that refuses it fails the job
-    and answers 503."""
-    if job.queue != route.queue:  # a batch's jobs are written before their routes are chosen
-        job.queue = route.queue
-        Job.objects.filter(pk=job.pk).update(queue=route.queue)
-    try:
-        dispatch(job, route.queue, reply_channel, deadline)
-    except Exception as error:
-        logger.exception("enqueue of %s failed", job.id)
-        job.fail(f"the broker refused the request: {error}")
-        raise ApiError(
-            503, "The request could not be queued; try again.", code="broker_unavailable"
-        ) from error

@@ -9,7 +9,7 @@ from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler
 
-from controlplane.accounts.authentication import MISSING_KEY_MESSAGE
+from controlplane.api.auth import MISSING_KEY_MESSAGE
 
 logger = logging.getLogger(__name__)
 

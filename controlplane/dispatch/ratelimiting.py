@@ -15,13 +15,13 @@ import threading
 from django.conf import settings
 
 from controlplane.accounts.models import ApiKey
+from controlplane.api.errors import ApiError
 from controlplane.billing.ratelimit import (
     Limits,
     MemoryRateLimiter,
     RateLimiter,
     RedisRateLimiter,
 )
-from controlplane.gateway.errors import ApiError
 
 _lock = threading.Lock()
 _limiter: RateLimiter | None = None

@@ -18,7 +18,7 @@ from typing import Any
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
-from controlplane.gateway.errors import ApiError
+from controlplane.api.errors import ApiError
 from inference.errors import InvalidRequestError
 from inference.structured.spec import grammar_for
 

@@ -1,0 +1,46 @@
+"""The enqueue: a job's generation message into the broker, under the job's message key
+(inference.protocol.keyed_messages), on the queue its route chose."""
+
+from __future__ import annotations
+
+import logging
+
+import dramatiq
+
+from controlplane.api.errors import ApiError
+from controlplane.dispatch.routing import Route
+from controlplane.jobs.models import Job
+from inference.protocol.keyed_messages import enqueue_keyed
+from inference.protocol.messages import GENERATE_ACTOR
+
+logger = logging.getLogger(__name__)
+
+
+def dispatch(job: Job, queue: str, reply_channel: str | None, deadline: float) -> None:
+    """Send the job's generation message to `queue`, under the job's message key."""
+    broker = dramatiq.get_broker()
+    broker.declare_queue(queue)  # the stub broker refuses undeclared queues; Redis's is a no-op
+    message = dramatiq.Message(
+        queue_name=queue,
+        actor_name=GENERATE_ACTOR,
+        args=(job.generation_message(reply_channel, deadline),),
+        kwargs={},
+        options={},
+    )
+    enqueue_keyed(broker, message, job.message_key())
+
+
+def enqueue_job(job: Job, route: Route, reply_channel: str | None, deadline: float) -> None:
+    """Send the job's generation message to its route; a broker that refuses it fails the job
+    and answers 503."""
+    if job.queue != route.queue:  # a batch's jobs are written before their routes are chosen
+        job.queue = route.queue
+        Job.objects.filter(pk=job.pk).update(queue=route.queue)
+    try:
+        dispatch(job, route.queue, reply_channel, deadline)
+    except Exception as error:
+        logger.exception("enqueue of %s failed", job.id)
+        job.fail(f"the broker refused the request: {error}")
+        raise ApiError(
+            503, "The request could not be queued; try again.", code="broker_unavailable"
+        ) from error

@@ -1,0 +1,108 @@
+"""Prometheus metrics: the registry that `GET /metrics` exposes (gateway/metrics.py) and the
+counters behind it. No HTTP here: settlement counts, the gateway's view reads.
+
+Per model and route decision (the name routing stores on the job): requests, prompt tokens and
+prompt tokens served from a node's prefix cache. Settlement adds a job's usage once, after the
+commit that settles it (a redelivered result settles nothing and counts nothing).
+
+The worker counts and every gateway process answers scrapes, so a process's own counter would
+hold only part of the total. In production the counters are a Redis hash per model,
+`hearth:route:tokens:<model>`, which a collector reads at scrape time; in embedded mode they live
+in the process, which runs both. None of these is per process, so none is a prometheus_client
+`Counter` (whose value would depend on which gateway process Prometheus reached).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+from django.conf import settings
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from controlplane.catalog.registry import ROUTE_KEY_PREFIX, redis_client
+
+TOKENS_KEY_PREFIX = ROUTE_KEY_PREFIX + "tokens:"
+# Each counter field: its series and help text.
+ROUTE_SERIES = {
+    "requests": (
+        "hearth_route_requests_total",
+        "Completed requests, by the route decision that placed them.",
+    ),
+    "prompt_tokens": (
+        "hearth_route_prompt_tokens_total",
+        "Prompt tokens of completed requests, by route decision.",
+    ),
+    "cached_tokens": (
+        "hearth_route_cached_tokens_total",
+        "Prompt tokens served from a node's prefix cache, by route decision.",
+    ),
+}
+_lock = threading.Lock()
+_memory: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+
+def count_route_tokens(completed: list[tuple[str, str, dict[str, Any]]]) -> None:
+    """Add completed requests' prompt and cached tokens to their decisions' counters; each is
+    `(model, decision, usage)`. One Redis round trip for all of them."""
+    amounts: dict[tuple[str, str], int] = defaultdict(int)
+    for model, decision, usage in completed:
+        amounts[model, f"{decision}:requests"] += 1
+        amounts[model, f"{decision}:prompt_tokens"] += int(usage.get("prompt_tokens") or 0)
+        amounts[model, f"{decision}:cached_tokens"] += int(usage.get("cached_tokens") or 0)
+    if settings.REDIS_URL:
+        pipe = redis_client().pipeline(transaction=False)
+        for (model, field), amount in amounts.items():
+            pipe.hincrby(TOKENS_KEY_PREFIX + model, field, amount)
+        pipe.execute()
+        return
+    with _lock:
+        for (model, field), amount in amounts.items():
+            _memory[model][field] += amount
+
+
+def route_counters() -> dict[str, dict[str, dict[str, int]]]:
+    """{model: {decision: {requests, prompt_tokens, cached_tokens}}}, every process's counts."""
+    if settings.REDIS_URL:
+        client = redis_client()
+        keys = sorted(client.scan_iter(match=TOKENS_KEY_PREFIX + "*", count=500))
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(key)
+        raw = {
+            key.decode()[len(TOKENS_KEY_PREFIX) :]: {f.decode(): int(v) for f, v in h.items()}
+            for key, h in zip(keys, pipe.execute() if keys else [], strict=True)
+        }
+    else:
+        with _lock:
+            raw = {model: dict(fields) for model, fields in _memory.items()}
+    counters: dict[str, dict[str, dict[str, int]]] = {}
+    for model, fields in raw.items():
+        for name, value in fields.items():
+            decision, _, field = name.rpartition(":")
+            counters.setdefault(model, {}).setdefault(decision, dict.fromkeys(ROUTE_SERIES, 0))
+            counters[model][decision][field] = value
+    return counters
+
+
+class RouteCountersCollector(Collector):
+    """The route counters as Prometheus counter families labelled by model and decision, read
+    from their shared store at each scrape."""
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        counters = route_counters()
+        for field, (name, help_text) in ROUTE_SERIES.items():
+            family = CounterMetricFamily(name, help_text, labels=("model", "decision"))
+            for model, decisions in sorted(counters.items()):
+                for decision, values in sorted(decisions.items()):
+                    family.add_metric((model, decision), values[field])
+            yield family
+
+
+# Hearth's own registry, not prometheus_client's default one: that one also carries this
+# process's CPU, memory and garbage-collector figures, which differ per gateway process.
+REGISTRY = CollectorRegistry()
+REGISTRY.register(RouteCountersCollector())
