@@ -145,7 +145,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "EXCEPTION_HANDLER": "controlplane.api.errors.openai_exception_handler",
+    "EXCEPTION_HANDLER": "controlplane.api.exception_handler.openai_exception_handler",
     "UNAUTHENTICATED_USER": None,
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
 }
@@ -316,5 +316,9 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env_str("HEARTH_LOG_LEVEL", "WARNING")},
-    "loggers": {"controlplane": {"level": env_str("HEARTH_LOG_LEVEL", "INFO")}},
+    # Hearth's own at INFO: a node under `runnode` logs its start, drain and aborts there.
+    "loggers": {
+        "controlplane": {"level": env_str("HEARTH_LOG_LEVEL", "INFO")},
+        "inference": {"level": env_str("HEARTH_LOG_LEVEL", "INFO")},
+    },
 }

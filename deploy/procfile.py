@@ -5,7 +5,7 @@ A Procfile line is `name: command`; other lines (comments) are not processes, as
 foreman read it. A command names what varies as `$NAME` or `${NAME}`; `command_argv` splits it
 into words first and then substitutes, so a value stays one word (as systemd's `${NAME}` and the
 shell's `"$NAME"` do), and a variable the environment lacks is an error rather than an empty word.
-The environment file holds `NAME=value` lines; `# NAME=value` is a variable listed but left at its
+The environment file holds `NAME=value` lines; `#NAME=value` is a variable listed but left at its
 default.
 """
 
@@ -21,8 +21,8 @@ PROCFILE = DEPLOY_DIR / "Procfile"
 ENV_EXAMPLE = DEPLOY_DIR / "hearth.env.example"
 
 _PROCESS_LINE = re.compile(r"^([A-Za-z0-9_-]+):\s*(.+)$")
-_VARIABLE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
-_ASSIGNMENT = re.compile(r"^(#\s*)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
+VARIABLE = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+_ASSIGNMENT = re.compile(r"^(#)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
 
 
 def read_procfile(path: Path = PROCFILE) -> dict[str, str]:
@@ -37,7 +37,7 @@ def read_procfile(path: Path = PROCFILE) -> dict[str, str]:
 
 def variables_of(command: str) -> list[str]:
     """The environment variables `command` refers to, in order of first use."""
-    return list(dict.fromkeys(a or b for a, b in _VARIABLE.findall(command)))
+    return list(dict.fromkeys(a or b for a, b in VARIABLE.findall(command)))
 
 
 def command_argv(command: str, env: Mapping[str, str]) -> list[str]:
@@ -47,7 +47,7 @@ def command_argv(command: str, env: Mapping[str, str]) -> list[str]:
     if missing:
         raise KeyError(f"{command!r} needs {', '.join(missing)} in its environment")
     return [
-        _VARIABLE.sub(lambda match: env[match.group(1) or match.group(2)], word)
+        VARIABLE.sub(lambda match: env[match.group(1) or match.group(2)], word)
         for word in shlex.split(command)
     ]
 

@@ -1,4 +1,8 @@
-"""DRF authentication by `Authorization: Bearer <api key>`."""
+"""The API key's authentication, in one place for every API view: `authenticate` turns an
+`Authorization: Bearer <api key>` header into the org and key behind it, or the OpenAI-shaped 401.
+DRF views get it through `ApiKeyAuthentication` (the default authentication class); the async
+views (completions, the event stream, the idempotency wrapper around them), which DRF does not
+run, call `authenticate` in the thread they already hop to."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from rest_framework import exceptions
 from rest_framework.authentication import BaseAuthentication
 
 from controlplane.accounts.models import ApiKey, KeyRejected, Org
+from controlplane.api.errors import MISSING_KEY_MESSAGE, ApiError
 
 
 @dataclass
@@ -19,39 +24,43 @@ class ApiKeyPrincipal:
     is_authenticated: bool = True
 
 
-MISSING_KEY_MESSAGE = "You didn't provide an API key: use 'Authorization: Bearer <api key>'."
-
-
 def bearer_token(header: str) -> str | None:
     """The token of an `Authorization: Bearer <token>` header; None for any other header."""
     scheme, _, token = header.partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-def principal_from_header(header: str) -> ApiKeyPrincipal:
-    """The principal behind an `Authorization` header; raises KeyRejected (401) otherwise.
-
-    Shared by the DRF class below and the async completion views, which DRF does not run."""
+def authenticate(header: str) -> ApiKeyPrincipal:
+    """The principal behind an `Authorization` header; ApiError 401 (`missing_api_key`,
+    `invalid_api_key`, `revoked_api_key`, `expired_api_key`) otherwise. Reads the database on a
+    key this process has not seen lately: call it off the event loop."""
     if not header:
-        raise KeyRejected(MISSING_KEY_MESSAGE, "missing_api_key")
+        raise ApiError(401, MISSING_KEY_MESSAGE, code="missing_api_key")
     token = bearer_token(header)
     if token is None:
-        raise KeyRejected(
-            "Malformed Authorization header: expected 'Bearer <api key>'.", "invalid_api_key"
+        raise ApiError(
+            401,
+            "Malformed Authorization header: expected 'Bearer <api key>'.",
+            code="invalid_api_key",
         )
-    key = ApiKey.objects.authenticate(token)
+    try:
+        key = ApiKey.objects.authenticate(token)
+    except KeyRejected as rejected:
+        raise ApiError(401, str(rejected), code=rejected.code) from None
     return ApiKeyPrincipal(org=key.org, api_key=key)
 
 
 class ApiKeyAuthentication(BaseAuthentication):
+    """DRF's side of `authenticate`: `request.user` is the ApiKeyPrincipal."""
+
     def authenticate(self, request):
         header = request.META.get("HTTP_AUTHORIZATION", "")
         if not header:
             return None  # IsAuthenticated answers 401 "missing_api_key"
         try:
-            principal = principal_from_header(header)
-        except KeyRejected as rejected:
-            raise exceptions.AuthenticationFailed(str(rejected), code=rejected.code) from None
+            principal = authenticate(header)
+        except ApiError as rejected:
+            raise exceptions.AuthenticationFailed(rejected.message, code=rejected.code) from None
         return principal, principal.api_key
 
     def authenticate_header(self, request) -> str:

@@ -33,7 +33,9 @@ from django.db import connection, models
 from django.db.models import Sum
 from django.utils import timezone
 
+from controlplane.billing.ledger import UsageRecord
 from controlplane.billing.pricing import decimal_string
+from controlplane.billing.reports import month_bounds
 
 MONEY = {"max_digits": 28, "decimal_places": 14}
 # (org id, scope, month) whose counter this process has seen exist: reservations skip the check.
@@ -233,9 +235,6 @@ def month_counter(org, scope: str, month: date) -> SpendCounter:
 
 
 def _ledger_spend(org, scope: str, month: date) -> Decimal:
-    from controlplane.billing.models import UsageRecord
-    from controlplane.billing.reports import month_bounds
-
     start, end = month_bounds(month)
     rows = UsageRecord.objects.filter(org=org, created__gte=start, created__lt=end)
     if scope != ORG_SCOPE:

@@ -21,7 +21,7 @@ from django.db.models import Count, QuerySet, Sum, Value
 from django.db.models.functions import Coalesce, TruncDate
 
 from controlplane.accounts.models import ApiKey, Org
-from controlplane.billing.models import UsageRecord
+from controlplane.billing.ledger import UsageRecord
 from controlplane.billing.pricing import cost_object
 from controlplane.billing.usage_days import NO_KEY, UsageDay
 

@@ -18,8 +18,7 @@ from typing import Any
 from django.conf import settings
 from django.db import close_old_connections
 
-from controlplane.accounts.models import KeyRejected
-from controlplane.api.auth import principal_from_header
+from controlplane.api.auth import authenticate
 from controlplane.api.errors import ApiError
 from controlplane.billing import budgets
 from controlplane.billing.pricing import max_cost
@@ -72,10 +71,7 @@ def admit(
 
 
 def _admit(authorization, body, endpoint, session_affinity, reply_channel) -> Admission:
-    try:
-        principal = principal_from_header(authorization)
-    except KeyRejected as rejected:
-        raise ApiError(401, str(rejected), code=rejected.code) from None
+    principal = authenticate(authorization)
     parsed = _parse(body)
     prepared = prepare_request(parsed, endpoint)
     request = prepared.request

@@ -10,6 +10,7 @@ from functools import lru_cache
 from django.db import DatabaseError
 
 from controlplane.api.errors import ApiError
+from controlplane.catalog.models import ServedModel
 from inference.engine.tokenizer import Tokenizer
 from inference.errors import ModelLoadError
 from inference.models.loader import resolve_model_directory
@@ -37,8 +38,6 @@ def load_catalog_tokenizers() -> None:
     first request of each model does not pay for it: a few seconds of CPU, most of it importing
     transformers' tokenizer code. Best effort: a model whose tokenizer cannot load, or a
     database not there yet, is left to the first request, which answers as it always did."""
-    from controlplane.catalog.models import ServedModel
-
     try:
         sources = list(ServedModel.objects.filter(enabled=True).values_list("source", flat=True))
     except DatabaseError as error:

@@ -10,11 +10,19 @@ import secrets
 from functools import partial
 from typing import Any
 
+import dramatiq
 from django.db import connection, models, transaction
 from django.utils import timezone
 
 from controlplane import json_rows
 from controlplane.events.push import push_to_org
+
+# The app's webhook models live in their own module; Django registers them from this one.
+from controlplane.events.webhooks import WebhookDelivery, WebhookEndpoint  # noqa: F401
+from inference.protocol.messages import CONTROLPLANE_QUEUE
+
+# The worker's actor that creates an event's webhook deliveries (controlplane/events/tasks.py).
+FAN_OUT_ACTOR = "fan_out_event"
 
 
 def new_event_id() -> str:
@@ -130,9 +138,23 @@ def _announce_on_commit(events: list[Event]) -> None:
         if event.fan_out_pending:
             # The worker creates the deliveries; a broker outage must not fail the caller (the
             # sweep fans out what stays pending: controlplane/events/redelivery.py).
-            from controlplane.events.tasks import fan_out_event  # the actors import this module
+            transaction.on_commit(partial(_send_fan_out, event.sequence), robust=True)
 
-            transaction.on_commit(partial(fan_out_event.send, event.sequence), robust=True)
+
+def _send_fan_out(event_pk: int) -> None:
+    """Ask the worker to fan the event out (FAN_OUT_ACTOR), by the actor's name: the actors'
+    module imports this one."""
+    broker = dramatiq.get_broker()
+    broker.declare_queue(CONTROLPLANE_QUEUE)  # the stub broker refuses undeclared queues
+    broker.enqueue(
+        dramatiq.Message(
+            queue_name=CONTROLPLANE_QUEUE,
+            actor_name=FAN_OUT_ACTOR,
+            args=(event_pk,),
+            kwargs={},
+            options={},
+        )
+    )
 
 
 class Event(models.Model):
@@ -170,7 +192,3 @@ class Event(models.Model):
             "created": int(self.created.timestamp()),
             "data": self.data,
         }
-
-
-# The webhook models live in webhooks.py; Django registers an app's models from this module.
-from controlplane.events.webhooks import WebhookDelivery, WebhookEndpoint  # noqa: E402, F401

@@ -21,6 +21,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from controlplane.events.models import Event
+from controlplane.events.tasks import deliver_webhook
 from controlplane.events.webhooks import CLAIM_LEASE_MARGIN_S, WebhookDelivery
 
 BATCH = 500
@@ -29,8 +30,6 @@ BATCH = 500
 def resend_lost_webhooks(grace_s: float) -> int:
     """Fan out events and enqueue attempts left behind for longer than `grace_s`; how many
     messages went out."""
-    from controlplane.events.tasks import deliver_webhook
-
     now = timezone.now()
     cutoff = now - timedelta(seconds=grace_s)
     sent = 0

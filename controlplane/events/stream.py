@@ -32,8 +32,7 @@ from django.db import close_old_connections
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 
 from controlplane import layer_receive
-from controlplane.accounts.models import KeyRejected
-from controlplane.api.auth import ApiKeyPrincipal, principal_from_header
+from controlplane.api.auth import ApiKeyPrincipal, authenticate
 from controlplane.api.errors import ApiError
 from controlplane.events.models import Event
 from controlplane.events.push import org_group
@@ -124,9 +123,7 @@ def _events_after(org_id: int, sequence: int, limit: int) -> list[tuple[int, dic
 
 def _authenticate(header: str) -> ApiKeyPrincipal:
     try:
-        return principal_from_header(header)
-    except KeyRejected as rejected:
-        raise ApiError(401, str(rejected), code=rejected.code) from None
+        return authenticate(header)
     finally:
         close_old_connections()
 

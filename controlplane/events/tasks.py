@@ -10,11 +10,12 @@ from __future__ import annotations
 import dramatiq
 from django.utils import timezone
 
+from controlplane.events.models import FAN_OUT_ACTOR
 from controlplane.events.webhooks import WebhookDelivery
 from inference.protocol.messages import CONTROLPLANE_QUEUE
 
 
-@dramatiq.actor(actor_name="fan_out_event", queue_name=CONTROLPLANE_QUEUE)
+@dramatiq.actor(actor_name=FAN_OUT_ACTOR, queue_name=CONTROLPLANE_QUEUE)
 def fan_out_event(event_pk: int) -> None:
     """`Event.objects.emit` sends this once the event is committed: one first attempt per
     matching endpoint, each enqueued for delivery."""

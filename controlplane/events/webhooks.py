@@ -229,9 +229,9 @@ class WebhookDeliveryManager(models.Manager["WebhookDelivery"]):
         its type, and return the ids of the first attempts still pending. Run again for the same
         event (a redelivered message) it creates nothing and returns the attempts not yet sent,
         which is what a run that died before enqueueing them left behind."""
-        from controlplane.events.models import Event
-
-        event = Event.objects.filter(pk=event_pk).first()
+        # Event, through the delivery's key to it: its module imports this one.
+        events = self.model._meta.get_field("event").related_model.objects
+        event = events.filter(pk=event_pk).first()
         if event is None:
             return []
         # An endpoint gets the events written after it was created, not the org's history.
@@ -251,7 +251,7 @@ class WebhookDeliveryManager(models.Manager["WebhookDelivery"]):
             if delivery.status == WebhookDelivery.PENDING:
                 pending.append(delivery.pk)
         if event.fan_out_pending:
-            Event.objects.filter(pk=event.pk).update(fan_out_pending=False)
+            events.filter(pk=event.pk).update(fan_out_pending=False)
         return pending
 
     def claim(self, delivery_id: str) -> WebhookDelivery | None:

@@ -34,8 +34,7 @@ from asgiref.sync import sync_to_async
 from django.db import close_old_connections
 from django.http import HttpRequest, HttpResponse
 
-from controlplane.accounts.models import KeyRejected
-from controlplane.api.auth import principal_from_header
+from controlplane.api.auth import authenticate
 from controlplane.api.errors import ApiError
 from controlplane.gateway.models import IdempotencyKey
 
@@ -80,8 +79,6 @@ def idempotent(view: AsyncView) -> AsyncView:
         )
         if isinstance(claim, HttpResponse):
             return claim
-        if claim is None:
-            return await view(request, *args, **kwargs)
         try:
             response = await view(request, *args, **kwargs)
         except Exception:
@@ -99,15 +96,11 @@ def idempotent(view: AsyncView) -> AsyncView:
 
 def _claim(
     authorization: str, key: str, fingerprint: str, method: str, path: str
-) -> IdempotencyKey | HttpResponse | None:
+) -> IdempotencyKey | HttpResponse:
     """This request's claim on the key, to run the view under; or the response to give instead
-    (a replay or an error); or None when no org is known (the view answers 401)."""
+    (a replay, an error, or the key's 401)."""
     try:
-        org = principal_from_header(authorization).org
-    except KeyRejected:
-        return None
-    try:
-        return _claim_for_org(org, key, fingerprint, method, path)
+        return _claim_for_org(authenticate(authorization).org, key, fingerprint, method, path)
     except ApiError as error:
         return error.response()
 

@@ -1,8 +1,11 @@
 """`python -m inference.node --model ID`: run one node in production mode.
 
 The broker is Redis (`--redis-url`) unless `--broker-url amqp://…` names RabbitMQ; deltas go over
-the Channels Redis layer and heartbeats to Redis keys, on `--redis-url`. SIGTERM or SIGINT stops
-the node; requests it had not finished stay unacknowledged and are redelivered to another node.
+the Channels Redis layer and heartbeats to Redis keys, on `--redis-url`.
+
+SIGTERM or SIGINT drains the node: it leaves the registry, takes no more work, finishes the
+requests it runs, reports them and exits with 0. A second signal stops it at once: the requests
+it had not finished stay unacknowledged and the broker redelivers them to another node.
 """
 
 from __future__ import annotations
@@ -85,8 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     heartbeat = RedisHeartbeat(redis.Redis.from_url(args.redis_url))
     node = Node(engine, args.model, args.node_id, broker, publisher, heartbeat)
     stop = threading.Event()
+
+    def drain_then_stop(*_) -> None:
+        if node.draining:
+            stop.set()
+        node.drain()
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, drain_then_stop)
     logging.getLogger(__name__).info("node %s serving %s", args.node_id, args.model)
     try:
         node.run(stop)

@@ -54,6 +54,7 @@ from inference.protocol.messages import (
 
 logger = logging.getLogger(__name__)
 BROKER_RETRY_S = 0.5
+DRAIN_POLL_S = 1.0
 # What a broker that went away raises: Dramatiq's consumers wrap redis-py's error, enqueues do not.
 BROKER_DOWN = (BrokerConnectionError, redis.ConnectionError, redis.TimeoutError)
 
@@ -82,7 +83,9 @@ def sequence_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{request_id}/{index}"
 
 
-HeartbeatSink = Callable[[str, dict[str, Any], float], None]
+# (node id, state, TTL in seconds): the node's state for the registry, or None for a node that is
+# alive but takes no work (draining, or gone): out of the registry, its last beat still recorded.
+HeartbeatSink = Callable[[str, dict[str, Any] | None, float], None]
 
 
 class Node:
@@ -132,6 +135,9 @@ class Node:
         self.control = broker.consume(control_queue(model, node_id), prefetch=16, timeout=0)
         self._last_control = 0.0
         self._last_heartbeat = 0.0
+        self.draining = False  # drain(): take nothing more, finish what runs, then return
+        self._drain_started = False
+        self._gave_back_at = 0.0
 
     # ---- admission ------------------------------------------------------------------------
     def free_slots(self) -> int:
@@ -433,14 +439,53 @@ class Node:
         stopped = [self.engine.abort(sequence_id(request_id, i, n)) for i in range(n)]
         return any(stopped)
 
+    def drain(self) -> None:
+        """Stop taking work: `run` finishes and reports the requests the engine holds, then
+        returns. Only sets a flag, so a signal handler may call it."""
+        self.draining = True
+
+    def _start_draining(self) -> None:
+        """Leave the registry, so that no gateway routes here any more, and give back what the
+        consumers had fetched."""
+        self._drain_started = True
+        logger.info("draining: finishing %d running request(s), taking no more", len(self.inflight))
+        self.beat(force=True)
+        self._give_back_fetched()
+
+    def _give_back_fetched(self) -> None:
+        """Hand the broker back what the consumers hold but the engine did not take: the Redis
+        consumer fetches several messages at once and puts them back now; RabbitMQ's, which
+        the broker pushes messages to, gives them back when its connection closes, at exit.
+        Asking them is also what keeps a RabbitMQ consumer's connection alive (heartbeats) and
+        sends its acks, so a draining node asks every DRAIN_POLL_S."""
+        self._gave_back_at = time.monotonic()
+        for consumer in self.consumers:
+            consumer.prefetch, consumer.timeout = 0, 0  # hands out what it holds, fetches nothing
+            fetched = []
+            while (message := next(consumer)) is not None:
+                fetched.append(message)
+            consumer.requeue(fetched)
+
+    def _drained(self) -> bool:
+        """Whether a draining node has reported and acked everything it took."""
+        if self.engine.has_unfinished_requests():
+            return False
+        self.send_starts()
+        self.record_finished(force=True)
+        return not (self.inflight or self.finished or self.unrecorded)
+
     def beat(self, force: bool = False) -> None:
-        """Publish load and cache state, at most every `heartbeat_interval_s`."""
+        """Publish load and cache state, at most every `heartbeat_interval_s`; while draining,
+        only that the node is alive (the sweeper must not take its running requests away)."""
         now = time.monotonic()
         if self.heartbeat is None or (
             not force and now - self._last_heartbeat < self.heartbeat_interval_s
         ):
             return
         self._last_heartbeat = now
+        if self.draining:
+            self.heartbeat(self.node_id, None, self.heartbeat_interval_s * 3)
+            return
         stats = self.engine.stats()
         state = {
             "id": self.node_id,
@@ -461,14 +506,23 @@ class Node:
         self.heartbeat(self.node_id, state, self.heartbeat_interval_s * 3)
 
     def run(self, stop: threading.Event) -> None:
-        """Serve until `stop` is set; unfinished requests are aborted and left unacked, so the
-        broker redelivers them to another node."""
+        """Serve until `stop` is set, or after `drain()` until every request taken is reported
+        and acked. At `stop`, unfinished requests are aborted and left unacked, so the broker
+        redelivers them to another node. Either way the node leaves the registry."""
         self.beat(force=True)
         broker_down = False
         while not stop.is_set():
             try:
                 self.send_unrecorded()
-                self.pull()
+                if not self.draining:
+                    self.pull()
+                elif not self._drain_started:
+                    self._start_draining()
+                elif self._drained():
+                    logger.info("drained")
+                    break
+                elif time.monotonic() - self._gave_back_at >= DRAIN_POLL_S:
+                    self._give_back_fetched()
                 self.read_control()
                 if self.engine.has_unfinished_requests():
                     self.step()
@@ -491,3 +545,6 @@ class Node:
             self._abort(request_id)
         for consumer in [*self.consumers, self.control]:
             consumer.close()
+        if self.heartbeat is not None:
+            with contextlib.suppress(*BROKER_DOWN):  # else its state expires with its TTL
+                self.heartbeat(self.node_id, None, 0)

@@ -46,14 +46,18 @@ def decode_prefix_digest(digest: str) -> frozenset[bytes]:
 
 class RedisHeartbeat:
     """Writes `hearth:node:<id>` as JSON with a TTL: a node that stops beating disappears. Also
-    `hearth:node-seen:<id>`, the time of the beat."""
+    `hearth:node-seen:<id>`, the time of the beat. A beat without a state (a draining node)
+    deletes the first and writes the second: alive, but no gateway routes to it."""
 
     def __init__(self, client) -> None:
         self.client = client
 
-    def __call__(self, node_id: str, state: dict[str, Any], ttl_s: float) -> None:
+    def __call__(self, node_id: str, state: dict[str, Any] | None, ttl_s: float) -> None:
         pipe = self.client.pipeline(transaction=False)
-        pipe.set(NODE_KEY_PREFIX + node_id, json.dumps(state), px=int(ttl_s * 1000))
+        if state is None:
+            pipe.delete(NODE_KEY_PREFIX + node_id)
+        else:
+            pipe.set(NODE_KEY_PREFIX + node_id, json.dumps(state), px=int(ttl_s * 1000))
         pipe.set(LAST_SEEN_PREFIX + node_id, time.time(), ex=LAST_SEEN_TTL_S)
         pipe.execute()
 
@@ -65,9 +69,12 @@ class MemoryHeartbeat:
         self._lock = threading.Lock()
         self._states: dict[str, tuple[float, dict[str, Any]]] = {}
 
-    def __call__(self, node_id: str, state: dict[str, Any], ttl_s: float) -> None:
+    def __call__(self, node_id: str, state: dict[str, Any] | None, ttl_s: float) -> None:
         with self._lock:
-            self._states[node_id] = (time.monotonic() + ttl_s, state)
+            if state is None:
+                self._states.pop(node_id, None)
+            else:
+                self._states[node_id] = (time.monotonic() + ttl_s, state)
 
     def live_nodes(self) -> dict[str, dict[str, Any]]:
         now = time.monotonic()

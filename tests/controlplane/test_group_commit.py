@@ -105,16 +105,40 @@ def test_concurrent_admissions_each_get_their_own_job_and_event(org_a, key_a, ti
     assert all(job.created is not None and job.status == Job.QUEUED for job in jobs)
 
 
-def test_a_job_aborted_as_a_deadlocks_victim_is_written_again(org_a, tiny):
-    """A real deadlock on PostgreSQL: another transaction holds the org's event lock and waits on
-    the job's row; the writer, waiting on the event lock, is the one PostgreSQL aborts (its
-    deadlock check fires first). It writes the job again, and then it succeeds."""
+def wait_for(condition, what: str, timeout_s: float = 10.0) -> None:
+    """Poll `condition` until it holds; fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def waits_for_a_lock(cursor, pid: int, locktype: str) -> bool:
+    """Whether backend `pid` waits for a lock of `locktype` (pg_locks: not granted)."""
+    cursor.execute(
+        "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = %s AND locktype = %s AND NOT granted)",
+        [pid, locktype],
+    )
+    return cursor.fetchone()[0]
+
+
+def test_a_job_aborted_as_a_deadlocks_victim_is_written_again(org_a, tiny, caplog):
+    """A real deadlock on PostgreSQL: a rival transaction holds the org's event lock; the writer
+    inserts its job and waits for that lock; the rival then inserts a job with the same id, which
+    waits for the writer's row. The writer's deadlock check fires first (the rival's is put off),
+    so PostgreSQL aborts the writer's transaction (40P01), which lets the rival's insert through;
+    the rival rolls back, and the writer, writing the job again, succeeds."""
     from django.db import connections, transaction
 
+    from controlplane.dispatch import group_commit
     from controlplane.events.models import EMIT_LOCK_NAMESPACE
 
     item = pending(org_a, tiny)
-    locked, inserting = threading.Event(), threading.Event()
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        [writer_pid] = cursor.fetchone()
+    locked, rival_inserted = threading.Event(), threading.Event()
+    rival_failed: list[BaseException] = []
 
     def rival() -> None:
         try:
@@ -124,25 +148,37 @@ def test_a_job_aborted_as_a_deadlocks_victim_is_written_again(org_a, tiny):
                     cursor.execute(
                         "SELECT pg_advisory_xact_lock(%s, %s)", [EMIT_LOCK_NAMESPACE, org_a.pk]
                     )
-                locked.set()
-                time.sleep(0.5)  # the writer inserts its job, then waits for the event lock
-                inserting.set()
+                    locked.set()
+                    wait_for(
+                        lambda: waits_for_a_lock(cursor, writer_pid, "advisory"),
+                        "the writer, its job inserted, to wait for the org's event lock",
+                    )
                 twin = pending(org_a, tiny).job
                 twin.id, twin.request_id = item.job.id, item.job.request_id
-                twin.save(force_insert=True)  # waits on the writer's row: a deadlock
-                time.sleep(0.3)
-                raise RuntimeError("roll back")  # gives the writer's retry its way
-        except RuntimeError:
-            pass
+                # Waits for the writer's row: a deadlock. It goes through once PostgreSQL has
+                # aborted the writer's transaction.
+                twin.save(force_insert=True)
+                rival_inserted.set()
+                transaction.set_rollback(True)  # gives the writer's retry its way
+        except BaseException as error:  # reported below
+            rival_failed.append(error)
         finally:
             connections.close_all()
 
     thread = threading.Thread(target=rival)
     thread.start()
     assert locked.wait(10)
-    write_group([item])
+    with caplog.at_level("WARNING", logger=group_commit.logger.name):
+        write_group([item])
     thread.join(30)
-    assert inserting.is_set()
+    assert rival_failed == [] and rival_inserted.is_set()
     assert item.error is None
+    # The writer's first try was PostgreSQL's deadlock victim, and the one retry wrote the job.
+    retries = [r for r in caplog.records if r.getMessage().startswith("job write aborted")]
+    assert len(retries) == 1, caplog.text
+    [aborted] = retries[0].args
+    assert group_commit.is_transient(aborted) and aborted.__cause__.sqlstate == "40P01"
+    assert "deadlock detected" in str(aborted)
     job = Job.objects.get(pk=item.job.pk)
+    assert job.status == Job.QUEUED
     assert Event.objects.filter(type="job.queued", data__id=job.id).count() == 1

@@ -1,6 +1,7 @@
 """Hearth's production mode as real processes: uvicorn (the gateway), `manage.py runnode` (one
-or more nodes) and `manage.py rundramatiq` (the control plane's worker), against PostgreSQL and
-Redis. Used by the multi-process tests and by bench/gateway.py."""
+or more nodes), `manage.py rundramatiq` (the control plane's worker) and `manage.py sweepjobs`,
+against PostgreSQL and Redis, each started from its line of deploy/Procfile, so the deployment
+guide runs what the tests run. Used by the multi-process tests and by bench/."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from deploy.procfile import command_argv, read_procfile
+
 ROOT = Path(__file__).resolve().parents[2]
+PROCFILE = read_procfile()
 
 
 def free_port() -> int:
@@ -22,7 +26,10 @@ def free_port() -> int:
 
 
 class ProductionStack:
-    """Start with `start()`, stop with `stop()`; `output()` returns each process's log."""
+    """Start each process with its `start_…`, stop them all with `stop()`; `output()` returns a
+    process's log. `env` is every process's environment: the Procfile's variables are the
+    stack's (a free port, small pools, a small KV cache), and a test may change any before it
+    starts a process."""
 
     def __init__(self, database_url: str, redis_url: str, namespace: str, log_dir: Path) -> None:
         self.port = free_port()
@@ -37,6 +44,15 @@ class ProductionStack:
             "HEARTH_CHANNEL_PREFIX": f"{namespace}-asgi",
             "HEARTH_ALLOWED_HOSTS": "127.0.0.1,localhost",
             "PYTHONUNBUFFERED": "1",
+            "HEARTH_GATEWAY_HOST": "127.0.0.1",
+            "HEARTH_GATEWAY_PORT": str(self.port),
+            "HEARTH_GATEWAY_PROCESSES": "1",
+            "HEARTH_WORKER_PROCESSES": "1",
+            "HEARTH_WORKER_THREADS": "4",
+            "HEARTH_SWEEP_EVERY_S": "1",
+            "HEARTH_NODE_DTYPE": "float32",
+            "HEARTH_NODE_MAX_NUM_SEQS": "64",
+            "HEARTH_NODE_KV_CACHE_MB": "16",
         }
         self.processes: dict[str, subprocess.Popen] = {}
 
@@ -54,79 +70,45 @@ class ProductionStack:
         self.processes[name] = process
         return process
 
+    def _start(
+        self, process: str, name: str, *extra: str, nice: int = 0, **env: str
+    ) -> subprocess.Popen:
+        """deploy/Procfile's `process` line under `name`, with the stack's environment and `env`;
+        `extra` arguments go after the line's own (for argparse, the last of an option wins)."""
+        argv = command_argv(PROCFILE[process], {**self.env, **env})
+        if argv[0] == "python":  # the Procfile's: the virtual environment's Python
+            argv[0] = sys.executable
+        return self._spawn(name, [*argv, *extra], nice, **env)
+
     def start_gateway(self, workers: int = 1) -> None:
         """uvicorn; `workers` > 1 runs that many gateway processes on the one port."""
-        self._spawn(
-            "gateway",
-            [
-                sys.executable,
-                "-m",
-                "uvicorn",
-                "controlplane.asgi:application",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--log-level",
-                "warning",
-                *(["--workers", str(workers)] if workers > 1 else []),
-            ],
-        )
+        self._start("gateway", "gateway", HEARTH_GATEWAY_PROCESSES=str(workers))
 
     def start_worker(self, nice: int = 0) -> None:
-        self._spawn(
-            "worker",
-            [
-                sys.executable,
-                "manage.py",
-                "rundramatiq",
-                "--queues",
-                "default",
-                "--processes",
-                "1",
-                "--threads",
-                "4",
-            ],
-            nice=nice,
-        )
+        self._start("worker", "worker", nice=nice)
 
     def start_sweeper(self, every_s: float = 1.0, grace_s: float = 3.0) -> None:
         """`manage.py sweepjobs --every`: expiry, and what the broker lost sent again."""
-        self._spawn(
+        self._start(
             "sweeper",
-            [
-                sys.executable,
-                "manage.py",
-                "sweepjobs",
-                "--every",
-                str(every_s),
-                "--grace",
-                str(grace_s),
-            ],
+            "sweeper",
+            HEARTH_SWEEP_EVERY_S=str(every_s),
+            HEARTH_JOB_REDELIVERY_GRACE_S=str(grace_s),
         )
 
     def start_node(
         self, model: str, node_id: str, *extra: str, threads: int | None = None, nice: int = 0
     ) -> None:
-        """A node process; `threads` caps its torch/OpenMP threads (default: torch's choice)."""
+        """A node process; `threads` caps its torch/OpenMP threads (default: torch's choice);
+        `extra`: more `runnode` options (`--max-num-seqs 8` overrides the stack's)."""
         env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
-        self._spawn(
+        self._start(
+            "node",
             f"node-{node_id}",
-            [
-                sys.executable,
-                "manage.py",
-                "runnode",
-                "--model",
-                model,
-                "--node-id",
-                node_id,
-                "--dtype",
-                "float32",
-                "--kv-cache-mb",
-                "16",
-                *extra,
-            ],
+            *extra,
             nice=nice,
+            HEARTH_NODE_MODEL=model,
+            HEARTH_NODE_ID=node_id,
             **env,
         )
 

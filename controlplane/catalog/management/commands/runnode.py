@@ -6,6 +6,7 @@ up in the catalog and passes the broker and Redis settings on.
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
+from django.db import connections
 
 from controlplane.catalog.models import ServedModel
 from inference.node.__main__ import main as node_main
@@ -52,4 +53,6 @@ class Command(BaseCommand):
         ]
         if options["node_id"]:
             argv += ["--node-id", options["node_id"]]
+        # The node never touches the database: it holds no connection while it serves.
+        connections.close_all()
         raise SystemExit(node_main(argv))
