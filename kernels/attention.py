@@ -98,7 +98,8 @@ def build_paged_attention_batch(
     if num_decode:
         max_context = max(context_lens[:num_decode])
         max_blocks = -(-max_context // block_size)
-        # One tensor from padded rows: a tensor per row cost a decode step about 5 us each.
+        # One tensor from padded rows: a tensor per row costs every decode step a tensor's
+        # construction per sequence (docs/performance.md).
         rows = [blocks[:max_blocks] for blocks in block_tables[:num_decode]]
         padded = [row + [0] * (max_blocks - len(row)) for row in rows]
         table = torch.tensor(padded, dtype=torch.long)

@@ -151,8 +151,9 @@ class Node:
         While the engine has work, an empty queue must not hold up its next step: the consumers
         poll without waiting, and a queue found empty is asked again only after `busy_poll_ms`
         (a fetch is a Redis script call; asked at every step of a small model, the empty
-        fetches were a third of a busy node's CPU). An idle node waits up to `poll_ms` in all,
-        split between its queues, so a new request is picked up within that."""
+        fetches took a large share of a busy node's CPU: docs/performance.md). An idle node
+        waits up to `poll_ms` in all, split between its queues, so a new request is picked up
+        within that."""
         taken = 0
         busy = self.engine.has_unfinished_requests()
         now = time.monotonic()

@@ -15,13 +15,13 @@ would come back under a uuid, and the sweep, finding neither key, would run its 
 Hearth runs `KeyedRedisBroker`, which enqueues a message that carries its key (the `hearth_key`
 option) under that key every time, and `held_keys` looks in the delay queue too.
 
-The results one engine step finished travel as one message (a settling transaction for all of
-them), stored under a key of its own, `results.<node>.<uuid>`. Before enqueuing it, the node
-writes an index, the hash `<namespace>:results-of`, from each answered message's key to that
-key; `held_keys` follows it, so a job whose result waits in such a message counts as held. The
-worker deletes its entries once it has settled them (`forget_results`); an entry left behind
-(a worker killed in between) points at a message no longer held, which the sweep reads as not
-held, as it should.
+The results a node finished within its report window (`report_ms`) travel as one message (a
+settling transaction for all of them), stored under a key of its own, `results.<node>.<uuid>`.
+Before enqueuing it, the node writes an index, the hash `<namespace>:results-of`, from each
+answered message's key to that key; `held_keys` follows it, so a job whose result waits in such
+a message counts as held. The worker deletes its entries once it has settled them
+(`forget_results`); an entry left behind (a worker killed in between) points at a message no
+longer held, which the sweep reads as not held, as it should.
 
 Other brokers get a plain enqueue and cannot be asked: the in-process StubBroker loses nothing
 while its process lives, and RabbitMQ keeps durable queues on disk.
@@ -63,8 +63,8 @@ class KeyedRedisBroker(RedisBroker):
 
     def ack_all(self, acks: list[tuple[Consumer, Message]]) -> None:
         """Ack fetched messages, each on the queue its consumer reads, in one round trip: the
-        same script call as each consumer's `ack`, pipelined (a node acks what one engine step
-        finished together)."""
+        same script call as each consumer's `ack`, pipelined (a node acks together the messages
+        it answered within one report window)."""
         dispatch = self.scripts["dispatch"]
         pipeline = self.client.pipeline(transaction=False)
         for consumer, message in acks:

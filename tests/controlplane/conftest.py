@@ -21,7 +21,7 @@ def priced_model(model_id: str, source: str, context_length: int) -> ServedModel
 
 @pytest.fixture(scope="session", autouse=True)
 def job_writer_stops(django_db_setup, django_db_blocker):
-    """Admission's writer thread (gateway/group_commit.py) holds a connection to the test
+    """Admission's writer thread (dispatch/group_commit.py) holds a connection to the test
     database; it ends before the database is dropped."""
     yield
     with django_db_blocker.unblock():

@@ -12,13 +12,14 @@ from __future__ import annotations
 import io
 import json
 import threading
+from contextlib import contextmanager
 from datetime import timedelta
 
 import dramatiq
 import openai
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
-from django.db import connections
+from django.db import connection, connections
 from django.utils import timezone
 
 from controlplane.catalog.registry import use_memory_heartbeat
@@ -426,18 +427,36 @@ def test_one_node_is_chosen_only_for_many_lines_sharing_a_block(settings):
     assert wants_one_node(groups)
 
 
-def test_a_finalization_that_failed_is_done_by_the_next_read(sdk, tiny, monkeypatch):
+@contextmanager
+def disk_full_for_batch_output():
+    """PostgreSQL, which stores the files, refuses to write a batch's output file as on a full
+    disk (SQLSTATE 53100, disk_full) until the block ends."""
+    table = File._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE FUNCTION refuse_as_disk_full() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "RAISE EXCEPTION 'could not extend file: No space left on device' "
+            "USING ERRCODE = 'disk_full'; END $$"
+        )
+        cursor.execute(
+            f"CREATE TRIGGER disk_full BEFORE INSERT ON {table} FOR EACH ROW "
+            f"WHEN (NEW.purpose = '{File.BATCH_OUTPUT}') EXECUTE FUNCTION refuse_as_disk_full()"
+        )
+    try:
+        yield
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(f"DROP TRIGGER disk_full ON {table}")
+            cursor.execute("DROP FUNCTION refuse_as_disk_full()")
+
+
+def test_a_finalization_that_failed_is_done_by_the_next_read(sdk, tiny):
     batch = create_batch(sdk, [chat_line("a", "hello")])
-    write_file = Batch._write_file
-
-    def broken(self, kind, entries):
-        raise OSError("disk full")
-
-    monkeypatch.setattr(Batch, "_write_file", broken)
-    settle(Job.objects.select_related("org").get(batch_id=batch.id))  # the job still settles
-    stuck = Batch.objects.get(id=batch.id)
-    assert stuck.status == "in_progress" and stuck.completed == 1 and not stuck.output_file_id
-    monkeypatch.setattr(Batch, "_write_file", write_file)
+    with disk_full_for_batch_output():
+        settle(Job.objects.select_related("org").get(batch_id=batch.id))  # the job still settles
+        stuck = Batch.objects.get(id=batch.id)
+        assert stuck.status == "in_progress" and stuck.completed == 1 and not stuck.output_file_id
+        assert not File.objects.filter(purpose=File.BATCH_OUTPUT).exists()
     done = sdk.batches.retrieve(batch.id)
     assert done.status == "completed" and len(read_jsonl(sdk, done.output_file_id)) == 1
     assert Event.objects.filter(type="batch.completed", data__id=batch.id).count() == 1

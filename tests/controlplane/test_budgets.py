@@ -129,7 +129,7 @@ def test_settlement_releases_the_reservation_and_adds_the_real_cost(org_a, key_a
 
 
 def test_results_settled_together_settle_the_budgets_as_one_at_a_time_would(org_a, key_a, tiny):
-    """One step's results in one transaction: the counters' UPDATEs add up each org, key and
+    """A report window's results in one transaction: the counters' UPDATEs add up each org, key and
     reserved scopes' costs, and come out as separate settlements would leave them."""
     cost = request_max_cost(tiny, 40)
     org_a.monthly_budget_usd = cost * 10

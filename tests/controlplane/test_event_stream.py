@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import socket
 import threading
+from collections.abc import Callable
 from urllib.parse import urlencode
 
 import pytest
@@ -14,13 +17,13 @@ from asgiref.sync import sync_to_async
 from asgiref.testing import ApplicationCommunicator
 from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
-from django.db import connection
+from django.db import connection, transaction
 
-from controlplane.events import models as event_models
 from controlplane.events import stream
-from controlplane.events.models import Event
-from controlplane.events.push import org_group
+from controlplane.events.models import EMIT_LOCK_NAMESPACE, Event
+from controlplane.events.push import bind_loop, org_group
 from tests.controlplane.test_events_ws import communicator, run, session_cookie
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -34,23 +37,71 @@ def memory_layer(settings):
 
 
 @pytest.fixture
-def stream_ready(monkeypatch) -> threading.Event:
-    """Set once a stream without `after` has joined its org's group and found the log's end:
-    from then on every event emitted reaches it."""
-    ready = threading.Event()
-    latest_sequence = stream._latest_sequence
-
-    def latest_sequence_then_ready(org_id):
-        sequence = latest_sequence(org_id)
-        ready.set()
-        return sequence
-
-    monkeypatch.setattr(stream, "_latest_sequence", latest_sequence_then_ready)
-    return ready
+def quick_keepalive(monkeypatch) -> None:
+    """A keepalive every 0.2 s: a stream's first one tells that it is live (`live`)."""
+    monkeypatch.setattr(stream, "KEEPALIVE_S", 0.2)
 
 
-async def until(ready: threading.Event) -> None:
-    assert await sync_to_async(ready.wait)(5)
+async def until(condition: Callable[[], bool], what: str, timeout_s: float = 10) -> None:
+    """`wait_for` from the event loop; `condition` may read the database."""
+    await database_sync_to_async(wait_for)(condition, what, timeout_s)
+
+
+def lock_waits(locktype: str, **keys: int) -> int:
+    """How many lock requests of `locktype` wait in this database, matching pg_locks' `keys`
+    (`relation`, or an advisory lock's `classid` and `objid`)."""
+    where = "".join(f" AND {column} = %s" for column in keys)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = %s AND database = "
+            f"(SELECT oid FROM pg_database WHERE datname = current_database()){where}",
+            [locktype, *keys.values()],
+        )
+        return cursor.fetchone()[0]
+
+
+def reads_waiting() -> int:
+    """How many statements wait for a lock on the events' table."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT %s::regclass::oid", [Event._meta.db_table])
+        [table] = cursor.fetchone()
+    return lock_waits("relation", relation=table)
+
+
+class EventsTableLock(threading.Thread):
+    """A transaction, in a thread of its own, that holds the events' table in ACCESS EXCLUSIVE
+    mode (every read of the log waits for it) from `held` until `release`, then runs
+    `before_commit` in it and commits."""
+
+    def __init__(self, before_commit: Callable[[], object] = lambda: None) -> None:
+        super().__init__()
+        self.held, self.release = threading.Event(), threading.Event()
+        self.before_commit = before_commit
+
+    def run(self) -> None:
+        try:
+            with transaction.atomic():
+                with connection.cursor() as cursor:
+                    cursor.execute(f"LOCK TABLE {Event._meta.db_table} IN ACCESS EXCLUSIVE MODE")
+                self.held.set()
+                assert self.release.wait(10)
+                self.before_commit()
+        finally:
+            connection.close()
+
+
+async def hand_over(held: EventsTableLock, to: EventsTableLock) -> None:
+    """The stream's read waits for `held`: queue `to` behind it and release `held`. PostgreSQL
+    grants locks in the order asked, so the read runs, then `to` takes the table, and the
+    stream's next read waits for `to`."""
+    await until(lambda: reads_waiting() == 1, "the stream's read to wait for the table")
+    to.start()
+    await until(lambda: reads_waiting() == 2, "the next lock to queue behind the stream's read")
+    held.release.set()
+    assert await sync_to_async(to.held.wait)(10)
+
+
+KEEPALIVE = ": keepalive"
 
 
 class EventStreamClient(ApplicationCommunicator):
@@ -80,8 +131,12 @@ class EventStreamClient(ApplicationCommunicator):
         super().__init__(application, scope)
         self.buffer = b""
 
-    async def open(self) -> tuple[int, dict[str, str]]:
+    async def request(self) -> None:
         await self.send_input({"type": "http.request", "body": b"", "more_body": False})
+
+    async def open(self) -> tuple[int, dict[str, str]]:
+        """Send the request; the response's status and headers."""
+        await self.request()
         start = await self.receive_output(5)
         assert start["type"] == "http.response.start", start
         return start["status"], {k.decode().lower(): v.decode() for k, v in start["headers"]}
@@ -99,9 +154,21 @@ class EventStreamClient(ApplicationCommunicator):
         frame, self.buffer = self.buffer.split(b"\n\n", 1)
         return frame.decode()
 
+    async def live(self) -> None:
+        """Wait until the stream is live (with `quick_keepalive`): a stream without `after`
+        sends its first keepalive once it has joined its org's group and found the log's end,
+        so from then on every event emitted reaches it."""
+        assert await self.next_frame() == KEEPALIVE
+
     async def next_event(self, timeout: float = 3) -> dict:
-        """The next event: checks the SSE fields agree with the JSON it carries."""
+        """The next event within `timeout`, keepalives skipped: checks the SSE fields agree
+        with the JSON it carries."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
         frame = await self.next_frame(timeout)
+        while frame == KEEPALIVE:
+            assert loop.time() < end, "keepalives, and no event"
+            frame = await self.next_frame(end - loop.time())
         fields = dict(line.split(": ", 1) for line in frame.split("\n"))
         event = json.loads(fields["data"])
         assert (fields["id"], fields["event"]) == (event["id"], event["type"])
@@ -111,7 +178,13 @@ class EventStreamClient(ApplicationCommunicator):
         return [(await self.next_event())["id"] for _ in range(count)]
 
     async def nothing_more(self, timeout: float = 0.3) -> bool:
-        return self.buffer == b"" and await self.receive_nothing(timeout)
+        """Whether no event comes within `timeout` (keepalives may)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while b"\n\n" in self.buffer or not await self.receive_nothing(max(0, end - loop.time())):
+            if await self.next_frame() != KEEPALIVE:
+                return False
+        return True
 
     async def close(self) -> None:
         await self.send_input({"type": "http.disconnect"})
@@ -122,7 +195,7 @@ async def emit_many(org, count: int, type: str = "job.queued") -> list[str]:
     return [(await emit(org, type, {"n": n})).id for n in range(count)]
 
 
-def test_it_streams_only_new_events_of_the_keys_org(org_a, org_b, key_a, stream_ready):
+def test_it_streams_only_new_events_of_the_keys_org(org_a, org_b, key_a, quick_keepalive):
     async def scenario():
         await emit_many(org_a, 2)  # before the stream: not sent without `after`
         client = EventStreamClient(key_a)
@@ -131,7 +204,7 @@ def test_it_streams_only_new_events_of_the_keys_org(org_a, org_b, key_a, stream_
         assert headers["content-type"] == "text/event-stream"
         assert headers["cache-control"] == "no-cache"
         assert headers["x-accel-buffering"] == "no"
-        await until(stream_ready)
+        await client.live()
         # Globex's event first: had it leaked, it would be the first frame read.
         await emit(org_b, "job.queued", {"id": "job_globex"})
         ours = await emit(org_a, "job.completed", {"id": "job_acme"})
@@ -183,33 +256,44 @@ def test_last_event_id_wins_over_after(org_a, key_a):
 
 
 def test_events_committed_while_the_backlog_is_read_arrive_once_in_order(org_a, key_a, monkeypatch):
-    """The backlog is read two events a query; after the first query two events commit (their
-    pushes wait in the stream's channel): each is sent once, after the backlog, in order."""
+    """The backlog is read two events a query. After the first query, two events commit (their
+    pushes wait in the stream's channel): each is sent once, after the backlog, in order. The
+    stream's reads are held in that order by locks on the events' table, handed from one
+    transaction to the next (`hand_over`)."""
     monkeypatch.setattr(stream, "READ_BATCH", 2)
-    read_events_after = stream._events_after
     during_backlog: list[str] = []
 
-    def events_after_then_emit(org_id, sequence, limit):
-        batch = read_events_after(org_id, sequence, limit)
-        if not during_backlog:
-            during_backlog.extend(
-                Event.objects.emit(org_a, "job.running", {"n": n}).id for n in range(2)
-            )
-        return batch
+    def emit_two() -> None:
+        during_backlog.extend(
+            Event.objects.emit(org_a, "job.running", {"n": n}).id for n in range(2)
+        )
 
-    monkeypatch.setattr(stream, "_events_after", events_after_then_emit)
+    locks = [EventsTableLock(), EventsTableLock(), EventsTableLock(before_commit=emit_two)]
 
     async def scenario():
         first, *backlog = await emit_many(org_a, 6)
+        locks[0].start()
+        assert await sync_to_async(locks[0].held.wait)(10)
         client = EventStreamClient(key_a, {"after": first})
-        assert (await client.open())[0] == 200
+        await client.request()
+        await hand_over(locks[0], locks[1])  # `first` found; the org's group joined
+        await hand_over(locks[1], locks[2])  # the backlog's first query done
+        locks[2].release.set()  # commits the two events; the backlog's second query goes on
+        start = await client.receive_output(5)
+        assert start["status"] == 200
         assert await client.next_ids(7) == backlog + during_backlog
         live = await emit_many(org_a, 1)
         assert await client.next_ids(1) == live
         assert await client.nothing_more()
         await client.close()
 
-    run(scenario)
+    try:
+        run(scenario)
+    finally:
+        for lock in locks:
+            lock.release.set()
+            if lock.is_alive():
+                lock.join(10)
 
 
 def test_it_filters_by_types(org_a, key_a):
@@ -229,32 +313,48 @@ def test_it_filters_by_types(org_a, key_a):
     run(scenario)
 
 
-def test_a_lost_push_is_made_good_at_the_keepalive(org_a, key_a, monkeypatch):
+def closed_port() -> int:
+    """A local TCP port nothing listens on: connecting to it is refused."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_a_lost_push_is_made_good_at_the_keepalive(org_a, key_a, settings, caplog, monkeypatch):
+    """The stream's layer works; the process that writes the event cannot reach its Redis (a
+    closed port), so the event's push is lost. The stream reads the event at a keepalive."""
     monkeypatch.setattr(stream, "KEEPALIVE_S", 0.3)
+    caplog.set_level(logging.WARNING, logger="inference.protocol.delta_publisher")
+
+    def push_failed() -> bool:
+        return any(r.getMessage().startswith("delta not delivered") for r in caplog.records)
 
     async def scenario():
         client = EventStreamClient(key_a)
         assert (await client.open())[0] == 200
-        assert await client.next_frame() == ": keepalive"
-        monkeypatch.setattr(event_models, "push_to_org", lambda *args: None)
+        await client.live()  # its layer taken: the in-memory one
+        settings.CHANNEL_LAYERS = {
+            "default": {
+                "BACKEND": "channels_redis.core.RedisChannelLayer",
+                "CONFIG": {"hosts": [f"redis://127.0.0.1:{closed_port()}"]},
+            }
+        }
+        bind_loop(asyncio.get_running_loop())  # pushes start again, on that layer
         unannounced = await emit(org_a, "job.completed", {})
-        # Read at the keepalive just sent, if the event committed before that read, or else at
-        # the next one: never pushed, it arrives within two keepalives either way.
-        frame = await client.next_frame()
-        if frame == ": keepalive":
-            frame = await client.next_frame()
-        client.buffer = frame.encode() + b"\n\n" + client.buffer
-        assert (await client.next_event())["id"] == unannounced.id
+        # Never pushed, it is read at the next keepalive (or the one after, had it committed
+        # while the stream read the log at the last one).
+        assert (await client.next_event(timeout=1))["id"] == unannounced.id
+        await until(push_failed, "the push to fail")
         await client.close()
 
     run(scenario)
 
 
-def test_it_leaves_the_orgs_group_when_the_client_goes(org_a, key_a, stream_ready):
+def test_it_leaves_the_orgs_group_when_the_client_goes(org_a, key_a, quick_keepalive):
     async def scenario():
         client = EventStreamClient(key_a)
         assert (await client.open())[0] == 200
-        await until(stream_ready)
+        await client.live()
         layer = get_channel_layer()
         assert len(layer.groups.get(org_group(org_a.pk), {})) == 1
         await client.close()
@@ -358,7 +458,10 @@ def test_an_orgs_events_commit_in_sequence_order(org_a, org_b):
     other = in_thread("other", lambda: Event.objects.emit(org_b, "job.running", {}))
     other.join(5)
     assert "other" in done
-    second.join(0.3)
+    wait_for(
+        lambda: lock_waits("advisory", classid=EMIT_LOCK_NAMESPACE, objid=org_a.pk) == 1,
+        "the second emit to wait for the org's event lock",
+    )
     assert "second" not in done  # still waiting for the first transaction
     release_first.set()
     for thread in (holder, second):

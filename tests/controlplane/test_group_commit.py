@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from datetime import timedelta
 from decimal import Decimal
 
@@ -20,6 +19,7 @@ from controlplane.dispatch.admission import admit
 from controlplane.dispatch.group_commit import PendingJob, write_group
 from controlplane.events.models import Event
 from controlplane.jobs.models import Job
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -103,14 +103,6 @@ def test_concurrent_admissions_each_get_their_own_job_and_event(org_a, key_a, ti
     events = list(Event.objects.filter(type="job.queued").order_by("sequence"))
     assert sorted(e.data["id"] for e in events) == sorted(job.id for job in jobs)
     assert all(job.created is not None and job.status == Job.QUEUED for job in jobs)
-
-
-def wait_for(condition, what: str, timeout_s: float = 10.0) -> None:
-    """Poll `condition` until it holds; fail after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def waits_for_a_lock(cursor, pid: int, locktype: str) -> bool:

@@ -228,10 +228,10 @@ def test_a_start_announces_the_job_as_it_is_stored(org_a, smollm2):
     )
 
 
-def test_a_notice_of_a_pulls_starts_runs_each_queued_job_once_in_order(
+def test_a_notice_of_a_report_windows_starts_runs_each_queued_job_once_in_order(
     org_a, smollm2, django_capture_on_commit_callbacks
 ):
-    """A node sends the starts of one pull together: the queued jobs start in one statement
+    """A node sends the starts of a report window together: the queued jobs start in one statement
     with their events in the notice's order; a job cancelled while it waited is stopped on the
     node instead, an unknown request is skipped, and a repeat starts nothing."""
     first, second, cancelled = make_job(org_a), make_job(org_a), make_job(org_a)

@@ -154,7 +154,7 @@ def test_concurrent_deliveries_write_one_usage_row(org_a, smollm2):
     assert UsageRecord.objects.count() == 1
 
 
-def test_one_steps_results_settle_together_each_once(org_a, smollm2):
+def test_results_reported_together_settle_together_each_once(org_a, smollm2):
     jobs = [make_job(org_a) for _ in range(3)]
     payloads = [result_for(job, completion=10 * (i + 1)) for i, job in enumerate(jobs)]
     assert record_completions(payloads) == [True, True, True]

@@ -28,7 +28,11 @@ class WaitForLayer(InMemoryChannelLayer):
 async def cancel_as_a_message_arrives(layer, receive) -> dict:
     channel = await layer.new_channel()
     waiting = asyncio.create_task(receive(layer, channel))
-    await asyncio.sleep(0.05)  # it waits on the channel
+    # The layer keeps a queue for a channel from the moment a receive waits on it.
+    deadline = asyncio.get_running_loop().time() + 5
+    while channel not in layer.channels:
+        assert asyncio.get_running_loop().time() < deadline, "the receive never waited"
+        await asyncio.sleep(0)
     await layer.send(channel, {"type": "delta", "text": "x"})
     waiting.cancel()  # the view's cancel, in the same tick
     return await waiting

@@ -30,6 +30,7 @@ from inference.protocol.keyed_messages import (
     held_keys,
 )
 from inference.protocol.messages import CONTROLPLANE_QUEUE, RECORD_COMPLETION_ACTOR
+from tests.waiting import wait_for
 
 # Admission commits, and closes its connection as a request thread does.
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -118,8 +119,8 @@ def test_a_running_job_whose_result_is_on_its_way_is_left_alone(broker, key_a, t
 
 
 def test_a_running_job_whose_result_waits_with_others_is_left_alone(broker, key_a, tiny):
-    """A node reports what one engine step finished in one message, indexed under each
-    answered message's key; the sweep follows the index."""
+    """A node reports what it finished within its report window in one message, indexed under
+    each answered message's key; the sweep follows the index."""
     jobs = [submit(key_a, tiny.id, f"review change {i}") for i in range(2)]
     Job.objects.record_starts("node-1", [{"request_id": job.request_id} for job in jobs])
     assert len(message_args(broker, "infer.tiny")) == 2  # taken and acked, as a node does
@@ -261,7 +262,7 @@ def test_a_node_quiet_past_its_heartbeat_but_not_for_long_keeps_its_jobs(
 
     import redis
 
-    from inference.protocol.heartbeat import LAST_SEEN_PREFIX, RedisHeartbeat
+    from inference.protocol.heartbeat import LAST_SEEN_PREFIX, NODE_KEY_PREFIX, RedisHeartbeat
     from inference.protocol.messages import node_queue
 
     settings.REDIS_URL = settings.DRAMATIQ_BROKER["OPTIONS"]["url"]  # the registry on Redis
@@ -269,7 +270,9 @@ def test_a_node_quiet_past_its_heartbeat_but_not_for_long_keeps_its_jobs(
     stalled, dead = f"stalled-{tiny.id}", f"dead-{tiny.id}"
     RedisHeartbeat(client)(stalled, {"id": stalled, "model": tiny.id}, 0.05)
     client.set(LAST_SEEN_PREFIX + dead, time.time() - settings.NODE_DEAD_AFTER_S - 1)
-    time.sleep(0.2)  # the stalled node's state key has expired
+    wait_for(
+        lambda: not client.exists(NODE_KEY_PREFIX + stalled), "the stalled node's state to expire"
+    )
     try:
         on_stalled, on_dead = submit(key_a, tiny.id), submit(key_a, tiny.id)
         Job.objects.filter(pk=on_stalled.pk).update(queue=node_queue(tiny.id, stalled))

@@ -1,4 +1,4 @@
-"""Routing that keeps caches hot (gateway/routing.py): session affinity with sticky failover,
+"""Routing that keeps caches hot (dispatch/routing.py): session affinity with sticky failover,
 prefix-aware routing on the nodes' heartbeat digests, and the route counters behind /metrics.
 Routing state lives in the real Redis (under a prefix of each test's own) or in memory."""
 

@@ -69,6 +69,6 @@ def test_a_node_drained_with_sigterm_finishes_what_it_runs_and_takes_nothing_mor
     except Exception:
         print(stack.outputs())
         raise
-    jobs = assert_settled_once(job_ids)
+    jobs = assert_settled_once(stack, job_ids)
     assert {job.node for job in jobs} == {drained, successor}
     assert all(job.attempts == 1 for job in jobs)

@@ -4,7 +4,6 @@ Dramatiq worker on the StubBroker, in-memory channel layer, in-process node)."""
 from __future__ import annotations
 
 import sqlite3
-import time
 
 import pytest
 
@@ -40,7 +39,6 @@ def test_the_openai_sdk_drives_embedded_mode(embedded):
         ).fetchall()
 
     wait_for(lambda: len(usage_rows()) == len(request_ids), what="every usage row")
-    time.sleep(0.5)
     [[total]] = database.execute("SELECT COUNT(*) FROM billing_usagerecord").fetchall()
     assert total == len(request_ids)
     assert all(row[-1] == "completed" for row in usage_rows())

@@ -28,16 +28,21 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
 import urllib.request
 
 import pytest
+from dramatiq.common import dq_name
 
 from controlplane.billing.models import UsageRecord
 from controlplane.events.models import Event
 from controlplane.events.webhooks import WebhookDelivery
 from controlplane.jobs.models import Job
-from inference.protocol.messages import CONTROLPLANE_QUEUE, RECORD_STARTED_ACTOR, model_queue
+from inference.protocol.messages import (
+    CONTROLPLANE_QUEUE,
+    RECORD_COMPLETION_ACTOR,
+    RECORD_STARTED_ACTOR,
+    model_queue,
+)
 from tests.e2e.user_path import wait_for
 from tests.webhook_receiver import Receiver
 
@@ -134,9 +139,25 @@ def wait_until_completed(job_ids: list[str]) -> None:
     )
 
 
-def assert_settled_once(job_ids: list[str]) -> list[Job]:
-    """Every job completed, one usage row each, and queued, running, completed once each."""
-    time.sleep(0.5)  # a duplicate row or event would show up now
+def reports_held(stack) -> int:
+    """How many start notices and results the broker still holds for the worker (its delayed
+    retries included): while one is, the worker may still write for a job."""
+    client = stack.redis()
+    actors = [
+        f'"actor_name":"{name}"'.encode()
+        for name in (RECORD_STARTED_ACTOR, RECORD_COMPLETION_ACTOR)
+    ]
+    held = 0
+    for queue in (CONTROLPLANE_QUEUE, dq_name(CONTROLPLANE_QUEUE)):
+        bodies = client.hvals(stack.broker_key(queue) + ".msgs")
+        held += sum(any(actor in body for actor in actors) for body in bodies)
+    return held
+
+
+def assert_settled_once(stack, job_ids: list[str]) -> list[Job]:
+    """Every job completed, one usage row each, and queued, running, completed once each, once
+    the worker has recorded every report the nodes sent (a duplicate would be written by then)."""
+    wait_for(lambda: reports_held(stack) == 0, what="the worker to record every report")
     jobs = list(Job.objects.filter(id__in=job_ids))
     assert len(jobs) == len(job_ids) and all(job.status == Job.COMPLETED for job in jobs)
     requests = [job.request_id for job in jobs]
@@ -163,7 +184,7 @@ def test_a_node_killed_mid_generation_loses_nothing(stack, tiny_model, acme_key,
         print(stack.outputs())
         raise
 
-    jobs = assert_settled_once(job_ids)
+    jobs = assert_settled_once(stack, job_ids)
     # The requests node-a was generating when it died ran again on node-b: two starts counted.
     rerun = [job for job in jobs if job.attempts == 2]
     assert rerun and all(job.node == "node-b" for job in rerun), [
@@ -176,9 +197,9 @@ def test_a_node_killed_mid_generation_loses_nothing(stack, tiny_model, acme_key,
 def test_a_worker_killed_while_it_records_completions_loses_nothing(
     stack, tiny_model, acme_key, receiver
 ):
-    # 8 at a time: the node reports each step's results in one message, so with all 48 running
-    # together the worker would record them in one transaction; in waves of 8, most are still to
-    # be recorded when it dies.
+    # 8 at a time: the node reports what it finished within its report window in one message, so
+    # with all 48 running together the worker would record them in one transaction; in waves of
+    # 8, most are still to be recorded when it dies.
     secret, job_ids = start_jobs(stack, tiny_model.id, acme_key, receiver, "--max-num-seqs", "8")
     worker = stack.processes["worker"]
     try:
@@ -198,7 +219,7 @@ def test_a_worker_killed_while_it_records_completions_loses_nothing(
         print(stack.outputs())
         raise
     assert left, "the worker had recorded everything before it was killed"
-    assert_settled_once(job_ids)
+    assert_settled_once(stack, job_ids)
     assert_webhooks_delivered(receiver, secret, job_ids)
 
 
@@ -223,8 +244,8 @@ def test_a_redis_restart_loses_no_job(
     stack = stack_on_own_redis
     # 8 at a time, and Redis goes as soon as the node has started its first requests, so most
     # jobs are still waiting in the broker. (Waiting for a first completion in the database was
-    # too late: the node reports a step's results together, and on a busy machine it had fetched
-    # every job by then.)
+    # too late: the node reports a report window's results together, and on a busy machine it
+    # had fetched every job by then.)
     secret, job_ids = start_jobs(stack, tiny_model.id, acme_key, receiver, "--max-num-seqs", "8")
     try:
         wait_for(lambda: start_notice_sent(stack), what="node-a starting a request")
@@ -235,7 +256,7 @@ def test_a_redis_restart_loses_no_job(
         print(stack.outputs())
         raise
     assert waiting, "the node had fetched every job before Redis restarted"
-    assert_settled_once(job_ids)
+    assert_settled_once(stack, job_ids)
     # The jobs still waiting had only their message in Redis: each was dispatched again (the node
     # may have fetched a wave of 8 more between the look and the restart).
     redispatched = Job.objects.filter(id__in=waiting, dispatches__gt=1).count()
@@ -250,7 +271,7 @@ def test_a_receiver_that_fails_then_times_out_gets_every_event_once_it_recovers(
     secret, job_ids = start_jobs(stack, tiny_model.id, acme_key, receiver, count=6, max_tokens=8)
     try:
         wait_until_completed(job_ids)
-        assert_settled_once(job_ids)
+        assert_settled_once(stack, job_ids)
         assert_webhooks_delivered(receiver, secret, job_ids)
     except Exception:
         print(stack.outputs())

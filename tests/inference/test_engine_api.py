@@ -15,6 +15,7 @@ from inference.engine import (
     ModelLoadError,
     SamplingParams,
 )
+from tests.waiting import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -59,15 +60,13 @@ def test_abort_finishes_the_request_and_frees_its_blocks(engine):
 
 
 def test_deadline_expires_a_running_request(engine):
+    deadline = time.time() + 0.3
     engine.add_request(
-        "late",
-        [3, 4, 5],
-        SamplingParams(max_tokens=50, ignore_eos=True),
-        deadline=time.time() + 0.3,
+        "late", [3, 4, 5], SamplingParams(max_tokens=50, ignore_eos=True), deadline=deadline
     )
     first = engine.step()
     assert [o.request_id for o in first] == ["late"] and not first[0].finished
-    time.sleep(0.35)
+    wait_for(lambda: time.time() > deadline, "the deadline to pass")
     [final] = engine.step()
     assert final.finished and final.finish_reason == "deadline"
     assert final.completion_tokens == 1

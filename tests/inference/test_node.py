@@ -91,7 +91,7 @@ def collect_results(broker, count: int, timeout_s: float = 60) -> dict[str, dict
         if message is None:
             continue
         if message.actor_name == RECORD_STARTED_ACTOR:
-            # The starts of one pull, in one notice.
+            # The starts of a report window, in one notice.
             assert message.args[0]["node"]
             started.update(start["request_id"] for start in message.args[0]["starts"])
         else:
@@ -425,12 +425,12 @@ def test_a_copy_under_a_new_key_of_a_running_request_is_acked_and_dropped(tiny_l
     assert held == [True, False]
 
 
-def test_the_results_of_one_step_travel_in_one_message_held_under_each_answered_key(
+def test_the_results_of_one_report_window_travel_in_one_message_held_under_each_answered_key(
     tiny_llama_dir, broker
 ):
-    """Three requests that finish in the same step: one `record_completion` message carries
-    their results, the broker counts each answered job's result as held (the sweep's question)
-    while it waits, and their three messages are acked."""
+    """Three requests that finish within one report window: one `record_completion` message
+    carries their results, the broker counts each answered job's result as held (the sweep's
+    question) while it waits, and their three messages are acked."""
     keys = {name: f"{name}.1" for name in ("x", "y", "z")}
     for name, key in keys.items():
         enqueue(broker, request(name, [3, 4, 5, 6]), key)

@@ -118,23 +118,27 @@ def test_reference_matches_float64(
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim,block_size,context_lens",
     [
-        pytest.param(6, 2, 80, 16, [300, 1, 129], id="gqa3-d80-page16"),
-        pytest.param(8, 1, 64, 32, [64, 250], id="mqa8-d64-page32"),
+        pytest.param(6, 2, 80, 16, [8200, 1, 129], id="gqa3-d80-page16"),
+        pytest.param(8, 1, 64, 32, [150, 8200], id="mqa8-d64-page32"),
     ],
 )
-def test_triton_with_one_split_per_sequence(
-    monkeypatch, num_heads, num_kv_heads, head_dim, block_size, context_lens
+def test_triton_when_one_program_walks_many_tiles(
+    num_heads, num_kv_heads, head_dim, block_size, context_lens
 ):
-    # One split per sequence (as for a large batch), so one program walks a whole context tile by
-    # tile: the online softmax rescaling that the many-split plan of small batches rarely needs.
-    def one_split(batch, num_kv_heads, max_context, device):
-        return 1, -(-max_context // 64) * 64
-
-    monkeypatch.setattr(decode_attention, "_split_plan", one_split)
+    # A program walks its split tile by tile, rescaling its online softmax at each tile. Small
+    # batches of short contexts get a tile per split (the plan fills the GPU with programs), so
+    # a long context here takes the plan past its 64 splits, to several tiles each; the short
+    # context beside it is one program's whole walk, as for a large batch (one split each).
     shape_id = f"Hq={num_heads} Hk={num_kv_heads} D={head_dim} page={block_size} {context_lens}"
     query, keys, values, cache_args = make_batch(
         num_heads, num_kv_heads, head_dim, block_size, context_lens, torch.float32
     )
+    block_tables = cache_args[2]
+    _, split_len = decode_attention._split_plan(
+        len(context_lens), num_kv_heads, block_tables.shape[1] * block_size, query.device
+    )
+    assert split_len >= 3 * 64, shape_id  # 64-token tiles
+    assert any(2 * 64 < n <= split_len for n in context_lens), shape_id  # a whole walk
     scale = head_dim**-0.5
     out = run_triton_with_poisoned_out(query, cache_args, scale)
     check_attention(
