@@ -22,6 +22,7 @@ from django.db import connection, transaction
 from controlplane.events import stream
 from controlplane.events.models import EMIT_LOCK_NAMESPACE, Event
 from controlplane.events.push import bind_loop, org_group
+from inference.protocol import delta_publisher
 from tests.controlplane.test_events_ws import communicator, run, session_cookie
 from tests.waiting import wait_for
 
@@ -324,7 +325,7 @@ def test_a_lost_push_is_made_good_at_the_keepalive(org_a, key_a, settings, caplo
     """The stream's layer works; the process that writes the event cannot reach its Redis (a
     closed port), so the event's push is lost. The stream reads the event at a keepalive."""
     monkeypatch.setattr(stream, "KEEPALIVE_S", 0.3)
-    caplog.set_level(logging.WARNING, logger="inference.protocol.delta_publisher")
+    caplog.set_level(logging.WARNING, logger=delta_publisher.logger.name)
 
     def push_failed() -> bool:
         return any(r.getMessage().startswith("delta not delivered") for r in caplog.records)

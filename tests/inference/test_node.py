@@ -460,3 +460,43 @@ def test_the_results_of_one_report_window_travel_in_one_message_held_under_each_
     forget_results(broker, body["answered"])
     assert not broker.client.exists(f"{broker.namespace}:results-of")
     consumer.close()
+
+
+def test_a_draining_node_finishes_what_it_runs_gives_back_what_it_fetched_and_returns(
+    tiny_llama_dir, broker
+):
+    """`drain()`: the requests the engine holds run to the end and are reported; the messages the
+    Redis consumer had fetched beyond them go back to the queue at once (not after the broker's
+    heartbeat timeout), where another node takes them; the node leaves the registry."""
+    sampling = {"temperature": 0.0, "max_tokens": 30, "ignore_eos": True, "n": 2}
+    for index in range(4):
+        enqueue(broker, request(f"r{index}", [3, 4, 5 + index], sampling=sampling))
+    beats: list[dict | None] = []
+    node = Node(
+        make_engine(tiny_llama_dir, max_num_seqs=4),
+        MODEL,
+        "node-1",
+        broker,
+        heartbeat=lambda node_id, state, ttl: beats.append(state),
+    )
+    deadline = time.time() + 10
+    while len(node.inflight) < 2 and time.time() < deadline:
+        node.pull()
+    # Two requests of two choices fill the engine; one fetch took all four messages.
+    assert sorted(node.inflight) == ["r0", "r1"]
+    queue = f"{broker.namespace}:{model_queue(MODEL)}"
+    assert broker.client.llen(queue) == 0
+
+    node.drain()
+    thread = threading.Thread(target=node.run, args=(threading.Event(),), daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive()  # it returned by itself
+    assert broker.client.llen(queue) == 2  # r2 and r3, given back
+    assert beats and all(state is None for state in beats)  # out of the registry throughout
+    results = collect_results(broker, 2)
+    assert sorted(results) == ["r0", "r1"]
+    assert all(r["usage"]["completion_tokens"] == 60 for r in results.values())
+
+    successor = Node(make_engine(tiny_llama_dir, max_num_seqs=4), MODEL, "node-2", broker)
+    assert sorted(run_node(successor, broker, 2)) == ["r2", "r3"]
