@@ -3,7 +3,7 @@
 HTTP goes to Django: the API (`/v1/…`, `/healthz`) to a handler without middleware, everything
 else (the console) to one with the full stack. Django runs each sync middleware hook of an async
 request in its sync thread: the five console middlewares (sessions, CSRF, auth, …) cost an API
-request ten thread hops, most of the time the gateway added (bench/gateway.py), and an API call
+request ten thread hops (docs/performance.md), and an API call
 authenticated by its Bearer key needs none of them. WebSockets go to Channels: `/ws/events`,
 authenticated by the console's session and refused from origins outside ALLOWED_HOSTS.
 """
@@ -53,8 +53,8 @@ class ApiHandler(ASGIHandler):
         # by one more thread started at its end. A sync view needs it. An async view does its
         # sync work in the shared pool (thread_sensitive=False), and its response is closed on
         # the loop (handle_async_view), or for a stream by the one process-wide sync thread. So
-        # an async view runs without it: two thread starts fewer per completion (about 10 % of
-        # the gateway's CPU per job in a py-spy profile of bench/job_queue.py).
+        # an async view runs without it: two thread starts fewer per completion
+        # (docs/performance.md).
         if scope["type"] == "http" and _is_async_view(scope["path"]):
             await self.handle_async_view(scope, receive, send)
         else:
@@ -65,8 +65,8 @@ class ApiHandler(ASGIHandler):
         disconnect, which cancels it), except that a response that is not streamed is closed
         here on the event loop. Django closes every response with `sync_to_async`, a hop to the
         process's sync thread and back; an API response's close runs no receiver (this module
-        moves them to the console's handler) and closes nothing that blocks, and the hop cost
-        4 % of the gateway's CPU per job (bench/job_queue.py with the node stopped). A streamed
+        moves them to the console's handler) and closes nothing that blocks, and the hop is worth
+        saving on every API response (docs/performance.md). A streamed
         response's close, which closes its iterator, keeps Django's hop."""
         try:
             body_file = await self.read_body(receive)
@@ -139,9 +139,9 @@ api_application = ApiHandler()
 # views use the database only in the shared thread pool, whose admission step calls
 # `close_old_connections` itself; the DRF views run, as every sync view under Django's ASGI
 # handler, in that thread of their own request, whose connection ends with it; the API sets no
-# urlconf, uses no cache, and keeps no query log (DEBUG is off in production). Dropping the
-# connection receivers measured about 2 ms a request here (bench/gateway.py), the rest 0.4 ms of
-# the gateway's CPU per job (4.85 → 4.48, bench/job_queue.py). Console requests, sent by the plain
+# urlconf, uses no cache, and keeps no query log (DEBUG is off in production). Dropping them
+# saves each API request a thread start and two hops (docs/performance.md). Console requests,
+# sent by the plain
 # ASGIHandler, keep Django's behaviour.
 for signal, receiver in (
     (signals.request_started, reset_queries),

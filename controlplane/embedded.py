@@ -1,4 +1,4 @@
-"""Embedded mode: Hearth in one process, with no other services (DESIGN §1).
+"""Embedded mode: Hearth in one process, with no other services (docs/architecture.md).
 
 The gateway (uvicorn), a Dramatiq worker for the control plane's own queue on the StubBroker, the
 in-memory channel layer, SQLite, and one node per enabled catalog model, each in a thread of its

@@ -33,7 +33,7 @@ def _loading(wrapper, model) -> tuple[list[str], list[tuple[Any, list]]]:
     """The attribute names of `model`'s concrete fields, and each column with the converters
     the ORM applies when it loads a row through `wrapper` (a thread's connection, not the
     thread-local proxy): JSON parsed, and so on. Found once per connection and model: working
-    them out for every row cost the worker an eighth of its CPU (bench/job_queue.py)."""
+    them out for every row was a large share of the worker's CPU (docs/performance.md)."""
     fields = model._meta.concrete_fields
     converters = []
     for field in fields:

@@ -4,8 +4,8 @@ The hot paths write groups of rows: the jobs a gateway's writer commits together
 a group, the usage rows and job updates of a settled group. Written as `VALUES (%s, …), (%s, …)`,
 a statement's text and parameter count grow with the group. psycopg caches the parsing of a
 query's placeholders only for queries under 50 parameters and 4 KB of text; a larger one is
-parsed again, in Python, at every call, and each parameter quoted on the client: a fifth of the
-worker's CPU per job and a sixth of the gateway's (py-spy, bench/job_queue.py). Here the rows
+parsed again, in Python, at every call, and each parameter quoted on the client: a large share of
+the worker's and the gateway's CPU (docs/performance.md). Here the rows
 travel as one JSON document, a single parameter, that PostgreSQL expands with
 `jsonb_populate_recordset(NULL::<table>, …)`, which types each column as the table does; the
 statement's text is the same for one row or sixty, so psycopg parses it once per process.
@@ -30,7 +30,7 @@ def column_value(field, value: Any, wrapper=None) -> Any:
     database form the ORM would send (`get_db_prep_save`, through `wrapper`, the thread's
     connection), with JSON columns nested as JSON, times in ISO 8601 with their offsets and
     decimals as exact strings. A string, an integer, a boolean or None is already that, and is
-    taken as it is: the ORM's preparation of each column was most of what writing a group cost."""
+    taken as it is: the ORM's preparation of each column made writing a group expensive."""
     if value is None or type(value) in _AS_THEY_ARE:
         return value
     prepared = field.get_db_prep_save(value, wrapper or connections[DEFAULT_DB_ALIAS])

@@ -1,7 +1,7 @@
 """Hearth's Django settings: one module, configured from the environment.
 
 With no `DATABASE_URL` Hearth runs embedded on SQLite under `HEARTH_DATA_DIR`; with
-`DATABASE_URL=postgres://…` it uses PostgreSQL through psycopg 3 (DESIGN §1).
+`DATABASE_URL=postgres://…` it uses PostgreSQL through psycopg 3 (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -46,12 +46,12 @@ def database_from_url(url: str) -> dict:
         "PASSWORD": unquote(parsed.password or ""),
         "HOST": parsed.hostname or "",
         "PORT": str(parsed.port or ""),
-        # A new connection costs ~12 ms here, so connections are kept. Under ASGI Django closes
+        # A new connection is slow to open, so connections are kept. Under ASGI Django closes
         # a thread's connection only where request signals fire; every place that touches the
         # ORM off those threads (the gateway's admission, the consumers, the worker's
         # middleware) calls close_old_connections itself, which keeps a healthy connection for
-        # CONN_MAX_AGE and replaces a broken one. That is 1.5 ms a request cheaper than psycopg's
-        # pool, measured on the admission path; HEARTH_DB_POOL=1 chooses the pool.
+        # CONN_MAX_AGE and replaces a broken one. That measured cheaper than psycopg's pool on
+        # the admission path (docs/performance.md); HEARTH_DB_POOL=1 chooses the pool.
         "CONN_MAX_AGE": 0 if env_bool("HEARTH_DB_POOL") else env_int("HEARTH_DB_CONN_MAX_AGE", 60),
         "CONN_HEALTH_CHECKS": True,
         "OPTIONS": {"pool": {"min_size": 1, "max_size": env_int("HEARTH_DB_POOL_SIZE", 20)}}
@@ -296,7 +296,7 @@ WEBHOOK_RETRY_SCHEDULE_S = [
 # How often the gateway re-reads the node registry (heartbeats), in seconds.
 NODE_REGISTRY_TTL_S = env_float("HEARTH_NODE_REGISTRY_TTL_S", 0.5)
 # A node silent this long is dead: the sweeper sends its queued and running jobs elsewhere
-# (jobs/redelivery.py). Well above a heartbeat's TTL (6 s), which a long step can outlast.
+# (dispatch/redelivery.py). Well above a heartbeat's TTL (6 s), which a long step can outlast.
 NODE_DEAD_AFTER_S = env_float("HEARTH_NODE_DEAD_AFTER_S", 30.0)
 # `GET /metrics` asks for `Authorization: Bearer <this>` when it is set (Prometheus's
 # `authorization` setting sends it); unset, it is open, for a scraper on the private network.

@@ -91,7 +91,7 @@ class ApiKeyManager(models.Manager["ApiKey"]):
         """The active key `presented` stands for; raises KeyRejected otherwise.
 
         A key that authenticated is kept for AUTH_CACHE_S per process, with its org: the lookup
-        is about a third of what admitting a completion costs the gateway (bench/job_queue.py).
+        is a large part of what admitting a completion costs the gateway (docs/performance.md).
         A change to a key or org saved in the same process clears the cache at once; one made
         elsewhere (a revocation, a new limit) takes effect within AUTH_CACHE_S."""
         digest = hash_secret(presented)

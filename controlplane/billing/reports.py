@@ -3,7 +3,7 @@
 A period is `[start, end)` in UTC, `end` exclusive, so consecutive periods never count a row
 twice. Its whole days are summed from `UsageDay` (kept exact by a database trigger) and the
 partial days at its edges from the ledger itself, so any instant is a valid bound and a month
-costs the same few milliseconds however many requests it held. Every amount is a Decimal sum of
+costs the same however many requests it held. Every amount is a Decimal sum of
 the ledger's own amounts, never recomputed from prices: a report, an invoice and the sum of the
 UsageRecords agree to the last of their 14 decimal places.
 """

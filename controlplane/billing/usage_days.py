@@ -9,9 +9,8 @@ operator in psql), and concurrent writers to the same day queue on that row's lo
 losing an addition. Only whole days come from here; reports read the ledger itself for the part
 of a range that cuts through a day (controlplane/billing/reports.py).
 
-Measured in bench/billing.py: a month of 1,000,000 ledger rows took 650-1,400 ms grouped by day
-straight from the ledger on this machine (an index covering the summed columns did not help:
-summing a million numerics is the cost), and a few milliseconds from these rows.
+Summing a month of ledger rows is the cost of a report (an index covering the summed columns
+does not help), so reports read these rows instead (bench/billing.py; docs/performance.md).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from django.dispatch import receiver
 from django.utils import timezone
 
 # How long a gateway process reuses a catalog row it read: the admission path reads one per
-# request (about 1 ms here). A model disabled or changed elsewhere is seen within this; a change
-# made in the same process clears the cache at once.
+# request (a query: docs/performance.md). A model disabled or changed elsewhere is seen within
+# this; a change made in the same process clears the cache at once.
 CATALOG_CACHE_S = 1.0
 _enabled_cache: dict[str, tuple[float, ServedModel]] = {}
 

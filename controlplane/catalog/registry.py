@@ -1,4 +1,4 @@
-"""Which nodes are up, and where the gateways last sent each session and prefix (DESIGN §3).
+"""Which nodes are up, and where the gateways last sent each session and prefix.
 
 Production: each node keeps `hearth:node:<id>` in Redis with a TTL, so a node that stops beating
 disappears by itself. Embedded mode: the in-process node beats into a `MemoryHeartbeat`, which the

@@ -7,8 +7,8 @@ threads hand their jobs to one writer thread per process, which writes everythin
 meanwhile in one transaction: the reservations, then one INSERT of the jobs sent with each org's
 event lock and one INSERT of the events (Job.objects.submit_all: a single round trip when no
 budget is involved). It never waits for company: it takes whatever queued while it wrote the
-last group, so a quiet gateway writes each job alone and a busy one in groups (4-5 jobs under
-bench/job_queue.py's 16 clients).
+last group, so a quiet gateway writes each job alone and a busy one in groups (their sizes under
+bench/job_queue.py: docs/performance.md).
 
 What a caller is told is what it would be told alone. It returns after its job's commit; a
 reservation that does not fit fails that job alone (402, nothing of it written); and a group

@@ -35,7 +35,7 @@ def tokenizer_for(source: str) -> Tokenizer:
 
 def load_catalog_tokenizers() -> None:
     """Load the tokenizer of every enabled catalog model now (a gateway's start-up), so that the
-    first request of each model does not pay for it: a few seconds of CPU, most of it importing
+    first request of each model does not pay for it: most of it is spent importing
     transformers' tokenizer code. Best effort: a model whose tokenizer cannot load, or a
     database not there yet, is left to the first request, which answers as it always did."""
     try:

@@ -123,7 +123,7 @@ def _insert_in_one_round_trip(rows: list[Event], first: tuple[str, list[Any]] | 
 
 
 def _announce_on_commit(events: list[Event]) -> None:
-    """Once the rows commit, push one announcement per org (a group commit's or a pull's
+    """Once the rows commit, push one announcement per org (a group commit's or a start notice's
     events cost one channel-layer send, not one each); and have the worker fan each event out
     to the org's webhook endpoints, if it had any when written."""
     announced: dict[int, tuple[list[str], int]] = {}

@@ -3,7 +3,7 @@
 Pushes come from sync code (the gateway's admission thread, the worker's actors) and must not
 make it wait: a push is scheduled on an event loop and the caller moves on. In production that
 is a private loop in a daemon thread, started on first use (`async_to_sync` would build a loop
-per call, about 2 ms a push). The in-memory layer of embedded mode keeps asyncio queues that
+per call). The in-memory layer of embedded mode keeps asyncio queues that
 belong to the server's event loop, so there a push must run on that loop: the embedded server
 registers it with `bind_loop`.
 """

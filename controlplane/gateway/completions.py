@@ -47,8 +47,7 @@ logger = logging.getLogger(__name__)
 
 # Admissions run in a pool of their own, wider than asyncio's default (cores + 4): an admission
 # spends most of its time waiting (on Redis, and on its group's commit: group_commit.py), and the
-# more admissions wait together, the more share a commit. 6 threads → 16 took group commit from
-# groups of 3 to 4-5 (bench/job_queue.py).
+# more admissions wait together, the more share a commit (docs/performance.md).
 ADMISSIONS = ThreadPoolExecutor(settings.ADMISSION_THREADS, thread_name_prefix="hearth-admission")
 
 

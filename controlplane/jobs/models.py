@@ -69,10 +69,10 @@ class JobManager(models.Manager["Job"]):
 
     def record_started(self, payload: dict[str, Any]) -> bool:
         """One start notice (`record_starts`); whether it started the job."""
-        return self.record_starts(payload.get("node") or "", [payload])[0]
+        return self.record_starts(payload["node"], [payload])[0]
 
     def record_starts(self, node: str, starts: list[dict[str, Any]]) -> list[bool]:
-        """A node took these jobs' requests (a node sends the starts of one pull together):
+        """A node took these jobs' requests (a node sends the starts of its report window together):
         queued → running (one event however often), and one more attempt counted; for each,
         whether this notice started it. A job already settled (cancelled or expired while it
         waited, or by another node), or started more than JOB_MAX_ATTEMPTS times (its request
@@ -188,7 +188,7 @@ class Job(models.Model):
     # Where its generation message was sent, the how-many-th time, and when: the broker holds it
     # under `message_key()` until a node answers it (controlplane/dispatch/redelivery.py).
     queue = models.CharField(max_length=300, blank=True)
-    # Why admission chose that queue (gateway/routing.py): the route counters' key.
+    # Why admission chose that queue (dispatch/routing.py): the route counters' key.
     route = models.CharField(max_length=24, blank=True)
     dispatches = models.PositiveIntegerField(default=1)
     dispatched_at = models.DateTimeField(default=timezone.now)

@@ -13,7 +13,7 @@ COMMIT.
 The rows of each INSERT and UPDATE travel as one JSON document (json_rows.py).
 They are written out rather than built by the ORM: compiling a
 `select_for_update().select_related()`, a price query and three saves cost the worker more CPU
-than PostgreSQL took to run them (bench/job_queue.py). SQLite (embedded mode) goes through the
+than PostgreSQL took to run them (docs/performance.md). SQLite (embedded mode) goes through the
 ORM, a statement at a time.
 """
 

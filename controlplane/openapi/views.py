@@ -1,5 +1,5 @@
 """`GET /openapi.json`: the document, open to anyone, built once per process: it depends only on
-the code, and an unauthenticated endpoint should not rebuild it (about 0.15 s of CPU here) for
+the code, and an unauthenticated endpoint should not rebuild it for
 every request."""
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ class CompletionOutput:
 
 @dataclass
 class EngineStats:
-    """What a node reports about its engine in heartbeats (DESIGN §3)."""
+    """What a node reports about its engine in heartbeats (docs/architecture.md)."""
 
     num_running: int
     num_waiting: int

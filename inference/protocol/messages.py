@@ -1,4 +1,4 @@
-"""The messages a node exchanges with the control plane (DESIGN §3), as plain dicts.
+"""The messages a node exchanges with the control plane (docs/architecture.md), as plain dicts.
 
 Generation requests arrive as Dramatiq messages for the actor `generate` on the model's queue
 `infer.<model>` or a node's own `infer.<model>.<node>`; their single argument is a dict:
