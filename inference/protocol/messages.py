@@ -146,8 +146,9 @@ class CompletionResult:
         return cls(**known)
 
     def as_message(self) -> dict[str, Any]:
-        """The result as it travels in a `record_completion` message."""
-        return dataclasses.asdict(self)
+        """The result as it travels in a `record_completion` message. Shallow: the node sends it
+        at once, and `dataclasses.asdict` would copy every token list (once per result)."""
+        return {**vars(self), "usage": vars(self.usage).copy()}
 
 
 def completion_payload(
