@@ -13,6 +13,7 @@ from collections.abc import Callable
 from urllib.parse import urlencode
 
 import pytest
+from asgiref.sync import sync_to_async
 from asgiref.testing import ApplicationCommunicator
 from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
@@ -43,8 +44,18 @@ def quick_keepalive(monkeypatch) -> None:
 
 
 async def until(condition: Callable[[], bool], what: str, timeout_s: float = 10) -> None:
-    """`wait_for` from the event loop; `condition` may read the database."""
-    await database_sync_to_async(wait_for)(condition, what, timeout_s)
+    """`wait_for` from the event loop; `condition` may read the database. In a thread of its
+    own, not the thread-sensitive one: once a test has used Django's test client, which
+    reconnects `close_old_connections` to `request_started` for every sender, an API request
+    runs that receiver there, and waiting in it would hold up the very request it waits for."""
+
+    def wait() -> None:
+        try:
+            wait_for(condition, what, timeout_s)
+        finally:
+            connection.close()
+
+    await sync_to_async(wait, thread_sensitive=False)()
 
 
 def lock_waits(locktype: str, **keys: int) -> int:
@@ -58,6 +69,47 @@ def lock_waits(locktype: str, **keys: int) -> int:
             [locktype, *keys.values()],
         )
         return cursor.fetchone()[0]
+
+
+def reads_waiting() -> int:
+    """How many statements wait for a lock on the events' table."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT %s::regclass::oid", [Event._meta.db_table])
+        [table] = cursor.fetchone()
+    return lock_waits("relation", relation=table)
+
+
+class EventsTableLock(threading.Thread):
+    """A transaction, in a thread of its own, that holds the events' table in ACCESS EXCLUSIVE
+    mode (every read of the log waits for it) from `held` until `release`, then runs
+    `before_commit` in it and commits."""
+
+    def __init__(self, before_commit: Callable[[], object] = lambda: None) -> None:
+        super().__init__()
+        self.held, self.release = threading.Event(), threading.Event()
+        self.before_commit = before_commit
+
+    def run(self) -> None:
+        try:
+            with transaction.atomic():
+                with connection.cursor() as cursor:
+                    cursor.execute(f"LOCK TABLE {Event._meta.db_table} IN ACCESS EXCLUSIVE MODE")
+                self.held.set()
+                assert self.release.wait(10)
+                self.before_commit()
+        finally:
+            connection.close()
+
+
+async def hand_over(held: EventsTableLock, to: EventsTableLock) -> None:
+    """The stream's read waits for `held`: queue `to` behind it and release `held`. PostgreSQL
+    grants locks in the order asked, so the read runs, then `to` takes the table, and the
+    stream's next read waits for `to`."""
+    await until(lambda: reads_waiting() == 1, "the stream's read to wait for the table")
+    to.start()
+    await until(lambda: reads_waiting() == 2, "the next lock to queue behind the stream's read")
+    held.release.set()
+    assert await sync_to_async(to.held.wait)(10)
 
 
 KEEPALIVE = ": keepalive"
@@ -215,33 +267,44 @@ def test_last_event_id_wins_over_after(org_a, key_a):
 
 
 def test_events_committed_while_the_backlog_is_read_arrive_once_in_order(org_a, key_a, monkeypatch):
-    """The backlog is read two events a query; after the first query two events commit (their
-    pushes wait in the stream's channel): each is sent once, after the backlog, in order."""
+    """The backlog is read two events a query. After the first query, two events commit (their
+    pushes wait in the stream's channel): each is sent once, after the backlog, in order. The
+    stream's reads are held in that order by locks on the events' table, handed from one
+    transaction to the next (`hand_over`)."""
     monkeypatch.setattr(stream, "READ_BATCH", 2)
-    read_events_after = stream._events_after
     during_backlog: list[str] = []
 
-    def events_after_then_emit(org_id, sequence, limit):
-        batch = read_events_after(org_id, sequence, limit)
-        if not during_backlog:
-            during_backlog.extend(
-                Event.objects.emit(org_a, "job.running", {"n": n}).id for n in range(2)
-            )
-        return batch
+    def emit_two() -> None:
+        during_backlog.extend(
+            Event.objects.emit(org_a, "job.running", {"n": n}).id for n in range(2)
+        )
 
-    monkeypatch.setattr(stream, "_events_after", events_after_then_emit)
+    locks = [EventsTableLock(), EventsTableLock(), EventsTableLock(before_commit=emit_two)]
 
     async def scenario():
         first, *backlog = await emit_many(org_a, 6)
+        locks[0].start()
+        assert await sync_to_async(locks[0].held.wait)(10)
         client = EventStreamClient(key_a, {"after": first})
-        assert (await client.open())[0] == 200
+        await client.request()
+        await hand_over(locks[0], locks[1])  # `first` found; the org's group joined
+        await hand_over(locks[1], locks[2])  # the backlog's first query done
+        locks[2].release.set()  # commits the two events; the backlog's second query goes on
+        start = await client.receive_output(5)
+        assert start["status"] == 200
         assert await client.next_ids(7) == backlog + during_backlog
         live = await emit_many(org_a, 1)
         assert await client.next_ids(1) == live
         assert await client.nothing_more()
         await client.close()
 
-    run(scenario)
+    try:
+        run(scenario)
+    finally:
+        for lock in locks:
+            lock.release.set()
+            if lock.is_alive():
+                lock.join(10)
 
 
 def test_it_filters_by_types(org_a, key_a):
@@ -377,6 +440,7 @@ def test_the_console_socket_refuses_to_resume_after_another_orgs_event(org_a, or
 def test_an_orgs_events_commit_in_sequence_order(org_a, org_b):
     """A second emit for the org waits for the first one's transaction to commit, so a reader
     never sees event N+1 while event N can still appear; another org's emit does not wait."""
+    from django.db import transaction
 
     first_written, release_first = threading.Event(), threading.Event()
     done: dict[str, Event] = {}
