@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Debian packages the tests and optional parts need: Chromium for the console's browser tests,
-# libibverbs1 and librdmacm1 for the Mooncake Transfer Engine (disaggregated prefill/decode).
+# libibverbs1 and librdmacm1 for the Mooncake Transfer Engine (disaggregated prefill/decode),
+# systemd for `systemd-analyze verify` of the units deploy/systemd.py writes.
 # Installs only what is missing; as root it runs apt-get itself, otherwise it says what to run.
 set -euo pipefail
 
-packages=(chromium libibverbs1 librdmacm1)
+packages=(chromium libibverbs1 librdmacm1 systemd)
 missing=()
 for package in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" \

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import logging
 
-import dramatiq
-
 from controlplane.api.errors import ApiError
+from controlplane.broker import send
 from controlplane.dispatch.routing import Route
 from controlplane.jobs.models import Job
-from inference.protocol.keyed_messages import enqueue_keyed
 from inference.protocol.messages import GENERATE_ACTOR
 
 logger = logging.getLogger(__name__)
@@ -18,16 +16,7 @@ logger = logging.getLogger(__name__)
 
 def dispatch(job: Job, queue: str, reply_channel: str | None, deadline: float) -> None:
     """Send the job's generation message to `queue`, under the job's message key."""
-    broker = dramatiq.get_broker()
-    broker.declare_queue(queue)  # the stub broker refuses undeclared queues; Redis's is a no-op
-    message = dramatiq.Message(
-        queue_name=queue,
-        actor_name=GENERATE_ACTOR,
-        args=(job.generation_message(reply_channel, deadline),),
-        kwargs={},
-        options={},
-    )
-    enqueue_keyed(broker, message, job.message_key())
+    send(queue, GENERATE_ACTOR, job.generation_message(reply_channel, deadline), job.message_key())
 
 
 def enqueue_job(job: Job, route: Route, reply_channel: str | None, deadline: float) -> None:

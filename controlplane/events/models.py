@@ -10,11 +10,11 @@ import secrets
 from functools import partial
 from typing import Any
 
-import dramatiq
 from django.db import connection, models, transaction
 from django.utils import timezone
 
 from controlplane import json_rows
+from controlplane.broker import send
 from controlplane.events.push import push_to_org
 
 # The app's webhook models live in their own module; Django registers them from this one.
@@ -138,23 +138,9 @@ def _announce_on_commit(events: list[Event]) -> None:
         if event.fan_out_pending:
             # The worker creates the deliveries; a broker outage must not fail the caller (the
             # sweep fans out what stays pending: controlplane/events/redelivery.py).
-            transaction.on_commit(partial(_send_fan_out, event.sequence), robust=True)
-
-
-def _send_fan_out(event_pk: int) -> None:
-    """Ask the worker to fan the event out (FAN_OUT_ACTOR), by the actor's name: the actors'
-    module imports this one."""
-    broker = dramatiq.get_broker()
-    broker.declare_queue(CONTROLPLANE_QUEUE)  # the stub broker refuses undeclared queues
-    broker.enqueue(
-        dramatiq.Message(
-            queue_name=CONTROLPLANE_QUEUE,
-            actor_name=FAN_OUT_ACTOR,
-            args=(event_pk,),
-            kwargs={},
-            options={},
-        )
-    )
+            # By the actor's name: the actors' module imports this one.
+            fan_out = partial(send, CONTROLPLANE_QUEUE, FAN_OUT_ACTOR, event.sequence)
+            transaction.on_commit(fan_out, robust=True)
 
 
 class Event(models.Model):

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 import secrets
 from decimal import Decimal
+from functools import partial
 from typing import Any
 
-import dramatiq
 from django.conf import settings
 from django.db import connection, models, transaction
 from django.db.models.sql import InsertQuery
@@ -21,6 +21,7 @@ from django.utils import timezone
 from controlplane import json_rows
 from controlplane.accounts.models import Org
 from controlplane.billing import budgets
+from controlplane.broker import send
 from controlplane.events.models import Event
 
 # The app's other models live in their own modules; Django registers them from this one.
@@ -286,17 +287,8 @@ class Job(models.Model):
         no longer runs it drops the message."""
         if not node:
             return
-        broker = dramatiq.get_broker()
-        queue = control_queue(self.model, node)
-        broker.declare_queue(queue)
-        message = dramatiq.Message(
-            queue_name=queue,
-            actor_name=ABORT_ACTOR,
-            args=({"request_id": self.request_id},),
-            kwargs={},
-            options={},
-        )
-        transaction.on_commit(lambda: broker.enqueue(message))
+        abort = {"request_id": self.request_id}
+        transaction.on_commit(partial(send, control_queue(self.model, node), ABORT_ACTOR, abort))
 
     def fail(self, error: str) -> bool:
         """→ failed from queued or running, once (a job the control plane cannot hand on)."""
