@@ -5,6 +5,10 @@ in-memory channel layer, SQLite, and one node per enabled catalog model, each in
 own. The code paths are the production ones; only the backends differ. The in-memory layer's
 queues belong to the server's event loop, so the nodes' delta sends and the event pushes are run
 on that loop (DeltaPublisher(loop=…), events.push.bind_loop).
+
+With `disaggregated`, each model gets a prefill node and a decode node instead of one unified
+node, which move KV blocks over the Mooncake Transfer Engine on loopback
+(docs/disaggregation.md): the split with no other service.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from controlplane.catalog.models import ServedModel
 from controlplane.catalog.registry import use_memory_heartbeat
 from controlplane.dispatch.redelivery import redispatch_open
 from controlplane.events.push import bind_loop
+from inference.disagg.layout import kv_layout_of
+from inference.disagg.prefill_node import PrefillNode
+from inference.disagg.transfer import KVTransfer
 from inference.engine import EngineConfig, LLMEngine
 from inference.node.node import Node
 from inference.protocol.delta_publisher import DeltaPublisher
@@ -34,11 +41,19 @@ logger = logging.getLogger(__name__)
 class EmbeddedHearth:
     """Runs everything until `serve()` returns (SIGINT/SIGTERM stop uvicorn, then the rest)."""
 
-    def __init__(self, host: str, port: int, dtype: str = "bfloat16", kv_cache_mb: int = 256):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        dtype: str = "bfloat16",
+        kv_cache_mb: int = 256,
+        disaggregated: bool = False,
+    ):
         if not settings.EMBEDDED:
             raise RuntimeError("embedded mode runs without REDIS_URL")
         self.host, self.port = host, port
         self.dtype, self.kv_cache_mb = dtype, kv_cache_mb
+        self.disaggregated = disaggregated
         self.stop = threading.Event()
         self.heartbeat = MemoryHeartbeat()
         self.threads: list[threading.Thread] = []
@@ -57,21 +72,52 @@ class EmbeddedHearth:
         broker = dramatiq.get_broker()
         for model in ServedModel.objects.filter(enabled=True).order_by("id"):
             logger.info("loading %s", model.id)
-            engine = LLMEngine(
-                EngineConfig(
-                    model=model.source,
-                    dtype=self.dtype,
-                    kv_cache_memory_bytes=self.kv_cache_mb * 1024 * 1024,
-                    max_model_len=model.context_length,
-                )
-            )
             publisher = DeltaPublisher(get_channel_layer(), loop=loop)
-            node = Node(engine, model.id, f"embedded-{model.id}", broker, publisher, self.heartbeat)
-            thread = threading.Thread(
-                target=node.run, args=(self.stop,), name=f"node-{model.id}", daemon=True
+            name = f"embedded-{model.id}"
+            if not self.disaggregated:
+                node = Node(self._engine(model), model.id, name, broker, publisher, self.heartbeat)
+                self._run(node, f"node-{model.id}")
+                continue
+            prefill_engine, decode_engine = self._engine(model), self._engine(model)
+            prefill = PrefillNode(
+                prefill_engine,
+                model.id,
+                f"{name}-prefill",
+                broker,
+                self._transfer(prefill_engine, model.id),
+                self.heartbeat,
             )
-            thread.start()
-            self.threads.append(thread)
+            decode = Node(
+                decode_engine,
+                model.id,
+                f"{name}-decode",
+                broker,
+                publisher,
+                self.heartbeat,
+                role="decode",
+                kv=self._transfer(decode_engine, model.id),
+            )
+            self._run(prefill, f"prefill-{model.id}")
+            self._run(decode, f"decode-{model.id}")
+
+    def _engine(self, model: ServedModel) -> LLMEngine:
+        return LLMEngine(
+            EngineConfig(
+                model=model.source,
+                dtype=self.dtype,
+                kv_cache_memory_bytes=self.kv_cache_mb * 1024 * 1024,
+                max_model_len=model.context_length,
+            )
+        )
+
+    def _transfer(self, engine: LLMEngine, model_id: str) -> KVTransfer:
+        """The engine's KV cache registered with a Transfer Engine on loopback."""
+        return KVTransfer(engine.runner.kv_buffer, kv_layout_of(engine, model_id))
+
+    def _run(self, node, name: str) -> None:
+        thread = threading.Thread(target=node.run, args=(self.stop,), name=name, daemon=True)
+        thread.start()
+        self.threads.append(thread)
 
     async def serve(self) -> None:
         from controlplane.asgi import application

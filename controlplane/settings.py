@@ -309,6 +309,13 @@ METRICS_TOKEN = env_str("HEARTH_METRICS_TOKEN")
 ROUTING_MAX_LOAD = env_float("HEARTH_ROUTING_MAX_LOAD", 0.9)
 ROUTING_SESSION_TTL_S = env_float("HEARTH_ROUTING_SESSION_TTL_S", 3600.0)
 ROUTING_PREFIX_TTL_S = env_float("HEARTH_ROUTING_PREFIX_TTL_S", 120.0)
+# Disaggregated prefill (controlplane/dispatch/disaggregation.py): a request goes to a prefill
+# node only when at least this many of its prompt tokens are not expected in its decode node's
+# prefix cache (a shorter prefill costs the decode node less than the transfer costs), and only
+# to a prefill node holding fewer than this many prompt tokens not yet computed (else it is
+# saturated, and the decode node prefills itself).
+DISAGG_MIN_TOKENS = env_int("HEARTH_DISAGG_MIN_TOKENS", 512)
+DISAGG_MAX_QUEUED_TOKENS = env_int("HEARTH_DISAGG_MAX_QUEUED_TOKENS", 16384)
 
 LOGGING = {
     "version": 1,

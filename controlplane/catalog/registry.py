@@ -10,6 +10,11 @@ The routing state (`RouteState`) is shared by every gateway process through Redi
 the process in embedded mode: a session's current node, and the node each recently routed prompt
 went to (its deepest full block), which bridges the seconds before that node's heartbeat shows
 the prompt's blocks.
+
+Every heartbeat names its node's role (`NODE_ROLES`): a `unified` node prefills and decodes its
+own requests; with disaggregation (docs/disaggregation.md) a `prefill` node only computes prompts
+for `decode` nodes, which take generation requests as unified nodes do. A heartbeat without a
+role comes from a node older than the roles: unified.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ _cache: tuple[float, dict[str, dict[str, Any]]] = (0.0, {})
 _memory_route_state: MemoryRouteState | None = None
 
 ROUTE_KEY_PREFIX = "hearth:route:"
+UNIFIED, PREFILL, DECODE = "unified", "prefill", "decode"
+NODE_ROLES = (UNIFIED, PREFILL, DECODE)
 
 
 def use_memory_heartbeat(heartbeat: MemoryHeartbeat | None) -> None:
@@ -77,9 +84,9 @@ def _read_all() -> dict[str, dict[str, Any]]:
     return states
 
 
-def live_nodes(model: str) -> list[dict[str, Any]]:
-    """Heartbeat states of the nodes serving `model`, freshest read at most TTL old; each with
-    `prefix_blocks`, the truncated hashes of its cached prefix blocks (heartbeat.py)."""
+def every_live_node() -> list[dict[str, Any]]:
+    """Heartbeat states of every live node, of every model, freshest read at most TTL old; each
+    with `prefix_blocks`, the truncated hashes of its cached prefix blocks (heartbeat.py)."""
     global _cache
     now = time.monotonic()
     with _lock:
@@ -87,7 +94,17 @@ def live_nodes(model: str) -> list[dict[str, Any]]:
         if now - read_at > settings.NODE_REGISTRY_TTL_S:
             states = _read_all()
             _cache = (now, states)
-    return [s for s in states.values() if s.get("model") == model]
+    return list(states.values())
+
+
+def live_nodes(model: str) -> list[dict[str, Any]]:
+    """Heartbeat states of the nodes serving `model`, as `every_live_node` reads them."""
+    return [s for s in every_live_node() if s.get("model") == model]
+
+
+def node_role(state: dict[str, Any]) -> str:
+    """A heartbeat's role (`NODE_ROLES`); unified for a node that does not say."""
+    return state.get("role") or UNIFIED
 
 
 def seen_within(node_ids: list[str], seconds: float) -> set[str]:

@@ -2,8 +2,9 @@
 
 One synchronous function, run off the event loop, so each request costs the loop one hop:
 authenticate, validate, tokenize with the model's own template, check the context length, pick a
-route, refuse at once when `reject_if_busy` finds no room, write the Job (and its `job.queued`
-event), enqueue. Every refusal happens before the Job row exists, so bad input writes nothing.
+route, refuse at once when `reject_if_busy` finds no room, decide whether a prefill node computes
+the prompt (disaggregation.py), write the Job (and its `job.queued` event), enqueue. Every
+refusal happens before the Job row exists, so bad input writes nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from controlplane.api.errors import ApiError
 from controlplane.billing import budgets
 from controlplane.billing.pricing import max_cost
 from controlplane.catalog.registry import live_nodes
+from controlplane.dispatch.disaggregation import split
 from controlplane.dispatch.enqueue import enqueue_job
 from controlplane.dispatch.group_commit import write_job
 from controlplane.dispatch.preparing import PreparedRequest, prepare_request
@@ -78,9 +80,10 @@ def _admit(authorization, body, endpoint, session_affinity, reply_channel) -> Ad
     headers = take_rate_limit(
         principal.api_key, len(prepared.prompt_token_ids) + prepared.max_completion_tokens
     )
+    nodes = live_nodes(prepared.model.id)
     route = choose_route(
         prepared.model.id,
-        live_nodes(prepared.model.id),
+        nodes,
         session_affinity,
         prepared.prompt_token_ids,
         namespace=principal.org.slug,  # the node's cache namespace (Job.generation_message)
@@ -103,6 +106,7 @@ def _admit(authorization, body, endpoint, session_affinity, reply_channel) -> Ad
         )
     )
     deadline = time.time() + window
+    route = split(prepared.model.id, nodes, route, prepared.prompt_token_ids, principal.org.slug)
     job = submit_prepared(
         prepared,
         principal,
@@ -112,6 +116,7 @@ def _admit(authorization, body, endpoint, session_affinity, reply_channel) -> Ad
         session_affinity=session_affinity or "",
         queue=route.queue,
         route=route.decision,
+        prefill_queue=route.prefill_queue or "",
     )
     enqueue_job(job, route, None if request.queue else reply_channel, deadline)
     return Admission(

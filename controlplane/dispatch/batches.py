@@ -15,6 +15,7 @@ from django.utils import timezone
 from controlplane.api.errors import ApiError
 from controlplane.catalog.registry import live_nodes
 from controlplane.dispatch.admission import submit_prepared
+from controlplane.dispatch.disaggregation import split
 from controlplane.dispatch.enqueue import enqueue_job
 from controlplane.dispatch.preparing import prepare_request
 from controlplane.dispatch.routing import choose_route
@@ -185,7 +186,9 @@ def create_batch(
         ]
         batch.emit("batch.in_progress")
     for job in jobs:
-        route = choose_route(job.model, live_nodes(job.model), job.session_affinity or None)
+        nodes = live_nodes(job.model)
+        route = choose_route(job.model, nodes, job.session_affinity or None)
+        route = split(job.model, nodes, route, job.prompt_token_ids, principal.org.slug)
         # A refused enqueue fails its job (counted failed); the batch goes on with the others.
         with contextlib.suppress(ApiError):
             enqueue_job(job, route, None, deadline)

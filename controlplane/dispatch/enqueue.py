@@ -1,5 +1,6 @@
 """The enqueue: a job's generation message into the broker, under the job's message key
-(inference.protocol.keyed_messages), on the queue its route chose."""
+(inference.protocol.keyed_messages), on the queue its route chose, naming the prefill queue when
+the route split it (disaggregation.py)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ def dispatch(job: Job, queue: str, reply_channel: str | None, deadline: float) -
 def enqueue_job(job: Job, route: Route, reply_channel: str | None, deadline: float) -> None:
     """Send the job's generation message to its route; a broker that refuses it fails the job
     and answers 503."""
-    if job.queue != route.queue:  # a batch's jobs are written before their routes are chosen
-        job.queue = route.queue
-        Job.objects.filter(pk=job.pk).update(queue=route.queue)
+    prefill_queue = route.prefill_queue or ""
+    # A batch's jobs are written before their routes are chosen.
+    if (job.queue, job.prefill_queue) != (route.queue, prefill_queue):
+        job.queue, job.prefill_queue = route.queue, prefill_queue
+        Job.objects.filter(pk=job.pk).update(queue=route.queue, prefill_queue=prefill_queue)
     try:
         dispatch(job, route.queue, reply_channel, deadline)
     except Exception as error:

@@ -7,7 +7,9 @@ A Redis that restarts without persistence, or fails over to a replica that lacke
 writes, drops both. `redeliver_lost` finds every open job that has been in the broker longer
 than a grace period and of which the broker holds neither message (keys in
 inference/protocol/keyed_messages.py), and dispatches it again under a new key, to the route a new
-request would take now (its old node may be gone).
+request would take now (its old node may be gone). Whether a prefill node computes its prompt is
+decided again too (disaggregation.py), as for a new request: the prefill node it was sent to may
+be the one that died, and its decode node may now hold the prompt.
 
 A job whose messages were lost while a node still runs it gets a second run; the node that
 already runs it drops the copy (Node._admit), another node runs it again, and the control plane
@@ -37,6 +39,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from controlplane.catalog.registry import live_nodes, seen_within
+from controlplane.dispatch.disaggregation import split
 from controlplane.dispatch.enqueue import dispatch
 from controlplane.dispatch.routing import choose_route
 from controlplane.jobs.models import Job
@@ -107,14 +110,23 @@ def redispatch_open() -> int:
 
 def _dispatch_again(job: Job) -> int:
     """One more dispatch of `job` under a new key; 0 when it settled or another sweep took it."""
-    route = choose_route(job.model, live_nodes(job.model), job.session_affinity or None)
+    nodes = live_nodes(job.model)
+    route = choose_route(job.model, nodes, job.session_affinity or None)
+    route = split(job.model, nodes, route, job.prompt_token_ids, job.org.slug)
+    prefill_queue = route.prefill_queue or ""
     now = timezone.now()
     claimed = Job.objects.filter(
         pk=job.pk, status__in=[Job.QUEUED, Job.RUNNING], dispatches=job.dispatches
-    ).update(dispatches=F("dispatches") + 1, dispatched_at=now, queue=route.queue)
+    ).update(
+        dispatches=F("dispatches") + 1,
+        dispatched_at=now,
+        queue=route.queue,
+        prefill_queue=prefill_queue,
+    )
     if not claimed:
         return 0
-    job.dispatches, job.dispatched_at, job.queue = job.dispatches + 1, now, route.queue
+    job.dispatches, job.dispatched_at = job.dispatches + 1, now
+    job.queue, job.prefill_queue = route.queue, prefill_queue
     deadline = job.deadline_at.timestamp() if job.deadline_at else None
     dispatch(job, route.queue, None, deadline)
     logger.warning("job %s dispatched again, to %s", job.id, route.queue)

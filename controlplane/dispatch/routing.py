@@ -24,6 +24,10 @@ Every decision has a name, stored on the job and counted with the tokens it hit 
 
 A node is busy when its load, the larger of its sequence slots and KV blocks in use, is at or above
 ROUTING_MAX_LOAD.
+
+Only nodes that decode are routed to: a `prefill` node (catalog/registry.py) never takes a
+generation request, and its free slots give no room to one. Whether a request's prompt is then
+computed by a prefill node is decided after its route (disaggregation.py).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Any
 
 from django.conf import settings
 
-from controlplane.catalog.registry import RouteState, route_state
+from controlplane.catalog.registry import PREFILL, RouteState, node_role, route_state
 from inference.engine.block_hash import compute_block_hashes
 from inference.protocol.heartbeat import DIGEST_HASH_BYTES
 from inference.protocol.messages import model_queue, node_queue
@@ -68,14 +72,26 @@ def is_busy(node: dict[str, Any]) -> bool:
     return node_load(node) >= settings.ROUTING_MAX_LOAD
 
 
+def decode_nodes(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Those of `nodes` that take generation requests: every role but prefill."""
+    return [n for n in nodes if node_role(n) != PREFILL]
+
+
 @dataclass(frozen=True)
 class Route:
-    """Where a request goes: a queue, the node when one was chosen, and why (`decision`)."""
+    """Where a request goes: a queue, the node when one was chosen, and why (`decision`).
+
+    `cached_tokens`: the prompt tokens the chosen node is expected to serve from its prefix
+    cache, when routing matched the prompt against the nodes (None: it did not look).
+    `prefill_queue`: where the node asks for the prompt's prefill, when the request is split
+    (disaggregation.py); None, the node prefills it itself."""
 
     queue: str
     node: str | None
     has_room: bool
     decision: str = SHARED
+    cached_tokens: int | None = None
+    prefill_queue: str | None = None
 
 
 def choose_route(
@@ -92,8 +108,10 @@ def choose_route(
     namespace), else the shared queue.
 
     `has_room` says whether the chosen node (or, on the shared queue, any node) reported free
-    slots in its last heartbeat; `reject_if_busy` refuses the request when it is False."""
+    slots in its last heartbeat; `reject_if_busy` refuses the request when it is False. Prefill
+    nodes among `nodes` are left out (`decode_nodes`)."""
     state = state if state is not None else route_state()
+    nodes = decode_nodes(nodes)
     if session and nodes:
         return _affinity_route(model, nodes, session, state)
     if prompt_token_ids and nodes:
@@ -105,8 +123,11 @@ def _shared(model: str, nodes: list[dict[str, Any]]) -> Route:
     return Route(model_queue(model), None, any(n.get("free_slots", 0) > 0 for n in nodes), SHARED)
 
 
-def _to_node(model: str, node: dict[str, Any], decision: str) -> Route:
-    return Route(node_queue(model, node["id"]), node["id"], node.get("free_slots", 0) > 0, decision)
+def _to_node(
+    model: str, node: dict[str, Any], decision: str, cached_tokens: int | None = None
+) -> Route:
+    has_room = node.get("free_slots", 0) > 0
+    return Route(node_queue(model, node["id"]), node["id"], has_room, decision, cached_tokens)
 
 
 def _affinity_route(model: str, nodes: list[dict[str, Any]], session: str, state) -> Route:
@@ -127,8 +148,31 @@ def _affinity_route(model: str, nodes: list[dict[str, Any]], session: str, state
     return _to_node(model, by_id[chosen], decision)
 
 
-def _block_size(node: dict[str, Any]) -> int:
+def node_block_size(node: dict[str, Any]) -> int:
+    """The block size of the node's KV cache, which its prefix hashes are computed over."""
     return node.get("block_size") or DEFAULT_BLOCK_SIZE
+
+
+def prompt_block_hashes(
+    nodes: list[dict[str, Any]], prompt_token_ids: list[int], namespace: str
+) -> dict[int, list[bytes]]:
+    """The prompt's full-block hashes for each block size among `nodes` (the engine's own
+    function, `namespace` the org), as `prefix_matches` takes them."""
+    return {
+        size: compute_block_hashes(prompt_token_ids, size, namespace)
+        for size in {node_block_size(n) for n in nodes}
+    }
+
+
+def digest_run(node: dict[str, Any], hashes: list[bytes]) -> int:
+    """How many of `hashes`, from the first, the node's heartbeat digest holds."""
+    cached = node.get("prefix_blocks") or frozenset()
+    run = 0
+    for block_hash in hashes:
+        if block_hash[:DIGEST_HASH_BYTES] not in cached:
+            break
+        run += 1
+    return run
 
 
 def prefix_matches(
@@ -146,16 +190,11 @@ def prefix_matches(
     matches: dict[str, int] = {}
     routed_by_size: dict[int, list[str | None]] = {}
     for node in nodes:
-        block_size = _block_size(node)
+        block_size = node_block_size(node)
         hashes = prompt_hashes[block_size][: (prompt_len - 1) // block_size]
         if block_size not in routed_by_size:
             routed_by_size[block_size] = state.routed_prefixes(model, hashes)
-        cached = node.get("prefix_blocks") or frozenset()
-        run = 0
-        for block_hash in hashes:
-            if block_hash[:DIGEST_HASH_BYTES] not in cached:
-                break
-            run += 1
+        run = digest_run(node, hashes)
         routed = routed_by_size[block_size]
         sent = max((i + 1 for i, n in enumerate(routed) if n == node["id"]), default=0)
         matches[node["id"]] = max(run, sent) * block_size
@@ -165,17 +204,14 @@ def prefix_matches(
 def _prefix_route(
     model: str, nodes: list[dict[str, Any]], prompt_token_ids: list[int], namespace: str, state
 ) -> Route:
-    prompt_hashes = {
-        size: compute_block_hashes(prompt_token_ids, size, namespace)
-        for size in {_block_size(n) for n in nodes}
-    }
+    prompt_hashes = prompt_block_hashes(nodes, prompt_token_ids, namespace)
     matches = prefix_matches(model, nodes, prompt_hashes, len(prompt_token_ids), state)
     fit = [n for n in nodes if not is_busy(n)]
     holders = [n for n in nodes if matches[n["id"]] > 0]
     # Longest prefix first; ties (a system prompt every node caches) by rendezvous on the
     # prompt, not by load: heartbeat loads are up to seconds old, and the least loaded node of
     # the last heartbeat would take every new conversation until the next.
-    deepest = prompt_hashes[_block_size(nodes[0])][-1:]
+    deepest = prompt_hashes[node_block_size(nodes[0])][-1:]
     spread = rendezvous_rank(deepest[0].hex() if deepest else "", [n["id"] for n in nodes])
     by_match = sorted(holders, key=lambda n: (-matches[n["id"]], spread.index(n["id"])))
     fit_holders = [n for n in by_match if not is_busy(n)]
@@ -190,7 +226,8 @@ def _prefix_route(
     else:
         return _shared(model, nodes)
     # The next turn extends this prompt: remember where its blocks will be.
-    full = prompt_hashes[_block_size(chosen)]
+    full = prompt_hashes[node_block_size(chosen)]
     if full:
         state.remember_prefix(model, full[-1], chosen["id"], settings.ROUTING_PREFIX_TTL_S)
-    return _to_node(model, chosen, decision)
+    # Matched before that memory, which would claim the whole prompt cached on it.
+    return _to_node(model, chosen, decision, matches[chosen["id"]])

@@ -104,7 +104,11 @@ async def _complete(request: HttpRequest, endpoint: str) -> HttpResponse:
         tool_calls=parses_tool_calls(job.request),
     )
     return _with_headers(
-        JsonResponse(body), admission, done.get("node"), done["usage"]["cached_tokens"]
+        JsonResponse(body),
+        admission,
+        done.get("node"),
+        done["usage"]["cached_tokens"],
+        done.get("prefill_node"),
     )
 
 
@@ -178,15 +182,26 @@ def _settled_message(job_pk: str) -> dict | None:
         return None
     if job.status == Job.FAILED:
         return {"type": "error", "message": job.error, "param": None}
-    return {"type": "done", "node": job.node, **job.result}
+    return {"type": "done", "node": job.node, "prefill_node": job.prefill_node, **job.result}
 
 
-def _with_headers(response, admission: Admission, node: str | None, cached: int | None):
+def _with_headers(
+    response,
+    admission: Admission,
+    node: str | None,
+    cached: int | None,
+    prefill_node: str | None = None,
+):
+    """The answer's headers: the request id, the rate limits', and what the node said of its
+    work: `x-hearth-node`, the node that decoded it; `x-hearth-prefill-node`, the node that
+    computed its prompt, only when the request was split."""
     response["x-request-id"] = admission.job.request_id
     for name, value in admission.headers.items():
         response[name] = value
     if node:
         response["x-hearth-node"] = node
+    if prefill_node:
+        response["x-hearth-prefill-node"] = prefill_node
     if cached is not None:
         response["x-hearth-cached-tokens"] = str(cached)
     return response
@@ -298,4 +313,10 @@ def _stream(layer, channel: str, deadline: float, admission: Admission, first: d
     response = StreamingHttpResponse(events(), content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
-    return _with_headers(response, admission, first.get("node"), first.get("cached_tokens"))
+    return _with_headers(
+        response,
+        admission,
+        first.get("node"),
+        first.get("cached_tokens"),
+        first.get("prefill_node"),
+    )

@@ -44,7 +44,7 @@ def new_request_id() -> str:
 
 # What settling a job from its node's result changes (besides `error` or `result`): a full save
 # would send the request and its prompt's token ids back to the database with every result.
-SETTLED_FIELDS = ["status", "node", "started_at", "finished_at"]
+SETTLED_FIELDS = ["status", "node", "prefill_node", "started_at", "finished_at"]
 
 
 class JobManager(models.Manager["Job"]):
@@ -180,6 +180,9 @@ class Job(models.Model):
     result = models.JSONField(null=True, blank=True)
     error = models.TextField(blank=True)
     node = models.CharField(max_length=200, blank=True)
+    # The node that computed the prompt when the request was split (its result says; `node`
+    # then decoded it); null when `node` computed it too.
+    prefill_node = models.CharField(max_length=200, null=True, blank=True)
     attempts = models.PositiveIntegerField(default=0)
     created = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
@@ -191,6 +194,9 @@ class Job(models.Model):
     queue = models.CharField(max_length=300, blank=True)
     # Why admission chose that queue (dispatch/routing.py): the route counters' key.
     route = models.CharField(max_length=24, blank=True)
+    # The prefill queue the message asked its node to send the prompt to, when the gateway split
+    # it (dispatch/disaggregation.py); blank: the node prefills it itself.
+    prefill_queue = models.CharField(max_length=300, blank=True)
     dispatches = models.PositiveIntegerField(default=1)
     dispatched_at = models.DateTimeField(default=timezone.now)
     # What admission reserved of the month's budgets, and in which scopes (billing/budgets.py);
@@ -328,8 +334,9 @@ class Job(models.Model):
         self, reply_channel: str | None = None, deadline: float | None = None
     ) -> dict[str, Any]:
         """The broker message body a node serves this job from (inference.protocol.messages);
-        `deadline` is epoch seconds after which the engine stops it."""
-        return {
+        `deadline` is epoch seconds after which the engine stops it. A split job's names its
+        prefill queue (`prefill`); an unsplit one's has no such key."""
+        message = {
             "request_id": self.request_id,
             "job_id": self.id,
             "org": self.org.slug,
@@ -339,3 +346,6 @@ class Job(models.Model):
             "deadline": deadline,
             "attempt": self.attempts + 1,
         }
+        if self.prefill_queue:
+            message["prefill"] = {"queue": self.prefill_queue}
+        return message

@@ -39,6 +39,7 @@ def job_object(job) -> dict[str, Any]:
         "started_at": epoch_seconds(job.started_at),
         "finished_at": epoch_seconds(job.finished_at),
         "node": job.node or None,
+        "prefill_node": job.prefill_node or None,
         "attempts": job.attempts,
         "usage": usage_object(result["usage"]) if result.get("usage") else None,
         "cost": result.get("cost"),

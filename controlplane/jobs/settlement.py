@@ -97,7 +97,7 @@ def _settle(results: list[CompletionResult]) -> list[bool]:
         if settlement.job.batch_id is not None:
             Batch.objects.job_settled(settlement.job)  # after the events: see Job.emit
     routed = [
-        (s.job.model, s.job.route, s.job.result["usage"])
+        (s.job.model, s.job.route, s.job.result["usage"], bool(s.job.prefill_node))
         for s in settlements
         if s.job.route and s.record is not None
     ]
@@ -120,7 +120,7 @@ class Settlement:
 def _settlement(job: Job, price, result: CompletionResult, now) -> Settlement:
     """Decide how a node's result settles `job` (open, locked) at `price`; changes `job`."""
     events = []
-    job.node = result.node
+    job.node, job.prefill_node = result.node, result.prefill_node
     if result.error is None and job.status == Job.QUEUED:
         # The worker took the result before the node's `record_started` notice (they are
         # separate messages): the job did run, so it passes through running here, and the late

@@ -43,7 +43,13 @@ COMPONENT_HEADERS = {
         "schema": {"type": "string"},
     },
     "x-hearth-node": {
-        "description": "The node that served the request (when one started it).",
+        "description": "The node that served the request (when one started it); when the request "
+        "was split between a prefill and a decode node, the one that decoded it.",
+        "schema": {"type": "string"},
+    },
+    "x-hearth-prefill-node": {
+        "description": "The node that computed the prompt, only when the request was split "
+        "between a prefill node and the decode node `x-hearth-node` names.",
         "schema": {"type": "string"},
     },
     "x-hearth-cached-tokens": {

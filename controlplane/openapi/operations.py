@@ -58,6 +58,7 @@ AFTER = query("after", {"type": "string"}, "An id from the previous page: the pa
 COMPLETION_HEADERS = {
     "x-request-id": {"$ref": "#/components/headers/x-request-id"},
     "x-hearth-node": {"$ref": "#/components/headers/x-hearth-node"},
+    "x-hearth-prefill-node": {"$ref": "#/components/headers/x-hearth-prefill-node"},
     "x-hearth-cached-tokens": {"$ref": "#/components/headers/x-hearth-cached-tokens"},
 }
 COMPLETION_PARAMETERS = [

@@ -113,6 +113,11 @@ JOB = obj(
         "started_at": nullable(UNIX_SECONDS),
         "finished_at": nullable(UNIX_SECONDS),
         "node": nullable(STRING),
+        "prefill_node": {
+            "type": ["string", "null"],
+            "description": "The node that computed the prompt when the request was split "
+            "between a prefill and a decode node (`node` then decoded it); null otherwise.",
+        },
         "attempts": {"type": "integer", "minimum": 0},
         "usage": nullable(ref("CompletionUsage")),
         "cost": nullable(ref("Cost")),

@@ -5,10 +5,15 @@ hash (`block_hash`); when its last user frees it, it joins the free list but sta
 later request with the same prefix (and namespace) takes it back instead of recomputing it. The
 free list is in LRU order: allocation evicts the block that was freed longest ago, and a sequence
 frees its blocks tail first, so shared heads outlive private tails.
+
+A hold (`hold`) keeps blocks out of the free list until a time has passed, whoever else frees
+them: a decode node holds the blocks a prefill node may still write (disaggregated prefill) until
+that write's deadline, so a late or duplicate write can only ever land in blocks nobody else owns.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 
 from inference.engine.sequence import Sequence
@@ -35,6 +40,7 @@ class BlockManager:
         self.cached_blocks: dict[bytes, int] = {}
         self.prefix_cache_hit_tokens = 0
         self.prefix_cache_query_tokens = 0
+        self._holds: list[tuple[float, int]] = []  # (until, block id), a heap
 
     @property
     def num_blocks(self) -> int:
@@ -137,6 +143,31 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
         seq.block_table = []
+
+    @property
+    def num_held_blocks(self) -> int:
+        return len(self._holds)
+
+    def hold(self, block_ids: list[int], until: float) -> None:
+        """Keep `block_ids` allocated until `until` (time.time()), one reference each."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
+            heapq.heappush(self._holds, (until, block_id))
+
+    def release_holds(self, now: float) -> int:
+        """Drop the holds that ended by `now`; returns how many blocks were let go."""
+        released = 0
+        while self._holds and self._holds[0][0] <= now:
+            _, block_id = heapq.heappop(self._holds)
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+            released += 1
+        return released
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)

@@ -22,6 +22,7 @@ class EngineConfig:
     `block_size` tokens (`num_kv_blocks` sets the count directly instead);
     `max_num_batched_tokens` is the per-step token budget that chunked prefill respects;
     `max_model_len` caps prompt + output (default: the model's own context);
+    `kv_wait_s`, `kv_remote_attempts`, `kv_hold_grace_s`: disaggregated prefill (Scheduler);
     `quantization="int4"` stores the decoder's projection weights in 4 bits (bfloat16 on the CPU
     only): single-sequence decoding, bound by reading the weights, reads a quarter of the bytes.
     """
@@ -38,6 +39,12 @@ class EngineConfig:
     cache_dir: str | None = None
     device: str = "cpu"
     quantization: str | None = None
+    # Disaggregated prefill, on a decode node (docs/disaggregation.md): how long a request waits
+    # for its KV before it is asked again under a new epoch, how many remote attempts it gets
+    # before it is prefilled here, and how long past a write's deadline its blocks stay held.
+    kv_wait_s: float = 30.0
+    kv_remote_attempts: int = 2
+    kv_hold_grace_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

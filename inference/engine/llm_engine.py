@@ -12,10 +12,16 @@ from inference.engine.config import EngineConfig
 from inference.engine.detokenizer import IncrementalDetokenizer
 from inference.engine.kv_cache import num_blocks_for_budget
 from inference.engine.model_runner import ModelRunner
-from inference.engine.outputs import EngineStats, RequestOutput, Timings, TokenLogprob
+from inference.engine.outputs import (
+    EngineStats,
+    KVRequest,
+    RequestOutput,
+    Timings,
+    TokenLogprob,
+)
 from inference.engine.sampling_params import SamplingParams
 from inference.engine.scheduler import Scheduler
-from inference.engine.sequence import Sequence
+from inference.engine.sequence import Sequence, SequenceStatus
 from inference.engine.tokenizer import Tokenizer
 from inference.errors import InvalidRequestError, ModelLoadError
 from inference.models.loader import resolve_model_directory
@@ -59,7 +65,12 @@ class LLMEngine:
             num_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            self.block_manager, self.config.max_num_batched_tokens, self.config.max_num_seqs
+            self.block_manager,
+            self.config.max_num_batched_tokens,
+            self.config.max_num_seqs,
+            kv_wait_s=self.config.kv_wait_s,
+            kv_hold_grace_s=self.config.kv_hold_grace_s,
+            kv_remote_attempts=self.config.kv_remote_attempts,
         )
         self.runner = ModelRunner(
             self.config, self.model_config, directory, num_blocks, self.max_model_len
@@ -69,6 +80,9 @@ class LLMEngine:
         self.logprobs: dict[str, list[TokenLogprob]] = {}
         self.stop_token_ids: dict[str, set[int]] = {}
         self._finished_outside_step: list[Sequence] = []
+        # Prefill-only sequences whose prompt is computed: their blocks wait for the node to
+        # send them (`prefilled_blocks`), then `release_prefilled`.
+        self.prefilled: dict[str, Sequence] = {}
         self._grammars: GrammarCompiler | None = None
 
     @property
@@ -89,10 +103,17 @@ class LLMEngine:
         params: SamplingParams | None = None,
         namespace: str = "",
         deadline: float | None = None,
+        remote_prefill: bool = False,
+        prefill_only: bool = False,
     ) -> None:
         """Queue a request. `namespace` scopes its prefix-cache hits (the org); `deadline` is a
         wall-clock time (seconds since the epoch) after which it finishes with reason
-        'deadline'. Raises InvalidRequestError for a request that can never be served."""
+        'deadline'. Raises InvalidRequestError for a request that can never be served.
+
+        Disaggregated prefill (docs/disaggregation.md): `remote_prefill` has a prefill node
+        compute the prompt's KV (`take_kv_requests`, then `kv_arrived`); `prefill_only`
+        computes the prompt's KV for a decode node and samples nothing: the request finishes
+        with reason 'prefilled', its blocks held until `release_prefilled`."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams", param="params")
@@ -128,6 +149,8 @@ class LLMEngine:
                 f"logit_bias names a token id outside the vocabulary [0, {vocab})", "logit_bias"
             )
         seq = Sequence(request_id, prompt_token_ids, params, namespace, deadline)
+        seq.remote_prefill = remote_prefill
+        seq.prefill_only = prefill_only
         if params.structured is not None:
             seq.constraint = self.grammars.constraint(params.structured)
         self.sequences[request_id] = seq
@@ -153,6 +176,70 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._finished_outside_step)
 
+    def has_runnable_requests(self) -> bool:
+        """Whether `step()` has something to compute or report now (requests awaiting their KV
+        have not)."""
+        return self.scheduler.has_runnable() or bool(self._finished_outside_step)
+
+    # ---- disaggregated prefill ---------------------------------------------------------------
+    def take_kv_requests(self) -> list[KVRequest]:
+        """The requests that began awaiting their KV since the last call (each attempt once)."""
+        requests = []
+        for seq in self.scheduler.kv_requests:
+            if seq.status != SequenceStatus.AWAITING_KV:
+                continue  # aborted or expired meanwhile
+            last = (seq.num_prompt_tokens - 1) // self.block_manager.block_size
+            requests.append(
+                KVRequest(
+                    request_id=seq.request_id,
+                    epoch=seq.kv_epoch,
+                    token_ids=seq.token_ids[: last * self.block_manager.block_size],
+                    first_block=seq.kv_first_block,
+                    block_ids=seq.block_table[seq.kv_first_block : last],
+                    cached_tokens=seq.kv_first_block * self.block_manager.block_size,
+                    deadline=seq.kv_deadline,
+                )
+            )
+        self.scheduler.kv_requests = []
+        return requests
+
+    def _awaiting(self, request_id: str, epoch: int) -> Sequence | None:
+        seq = self.scheduler.awaiting_kv.get(request_id)
+        return seq if seq is not None and seq.kv_epoch == epoch else None
+
+    def kv_arrived(self, request_id: str, epoch: int, prefill_cached_tokens: int = 0) -> bool:
+        """A prefill node wrote the KV of `request_id`'s attempt `epoch`: it runs on, its
+        written blocks in the prefix cache. False for a stale epoch or a request that no longer
+        awaits (a late or repeated prefill_done), which changes nothing. `prefill_cached_tokens`
+        is the prefill node's own cache hit: the request's cached tokens are what no node
+        computed for it, the larger of the two hits."""
+        seq = self._awaiting(request_id, epoch)
+        if seq is None:
+            return False
+        self.scheduler.kv_arrived(seq)
+        self.block_manager.commit_computed_blocks(seq)
+        seq.num_cached_tokens = max(seq.num_cached_tokens or 0, prefill_cached_tokens)
+        return True
+
+    def kv_failed(self, request_id: str, epoch: int) -> bool:
+        """The prefill node refused attempt `epoch` (its layout differs, or it failed): prefill
+        here. False for a stale epoch."""
+        seq = self._awaiting(request_id, epoch)
+        if seq is None:
+            return False
+        self.scheduler.retry_kv(seq, remote=False)
+        return True
+
+    def prefilled_blocks(self, request_id: str) -> list[int]:
+        """The block table of a prefill-only request that finished 'prefilled'."""
+        return self.prefilled[request_id].block_table
+
+    def release_prefilled(self, request_id: str) -> None:
+        """Free the blocks of a prefilled request (they stay in the prefix cache)."""
+        seq = self.prefilled.pop(request_id, None)
+        if seq is not None:
+            self.block_manager.free(seq)
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -160,6 +247,15 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    @property
+    def num_awaiting_kv(self) -> int:
+        return len(self.scheduler.awaiting_kv)
+
+    def release_holds(self) -> int:
+        """Free the held blocks whose hold has ended (each step does it too; an idle node
+        calls this so that its free blocks come back without traffic)."""
+        return self.block_manager.release_holds(time.time())
 
     def stats(self) -> EngineStats:
         """Load and cache figures for heartbeats and metrics."""
@@ -173,6 +269,10 @@ class LLMEngine:
             prefix_cache_hit_tokens=manager.prefix_cache_hit_tokens,
             prefix_cache_query_tokens=manager.prefix_cache_query_tokens,
             num_preemptions=self.scheduler.num_preemptions,
+            num_awaiting_kv=len(self.scheduler.awaiting_kv),
+            num_held_blocks=manager.num_held_blocks,
+            num_kv_timeouts=self.scheduler.num_kv_timeouts,
+            num_kv_fallbacks=self.scheduler.num_kv_fallbacks,
         )
 
     def cached_block_hashes(self, limit: int | None = None) -> list[bytes]:
@@ -190,13 +290,25 @@ class LLMEngine:
         if not plan.scheduled:
             return outputs
         sampling, token_ids, logprobs = self.runner.run(plan.scheduled, self._grammars)
-        for item in plan.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.commit_computed_blocks(item.seq)
         now = time.time()
+        for item in plan.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.commit_computed_blocks(seq)
+            if seq.prefill_only and seq.num_computed_tokens == seq.num_tokens:
+                outputs.append(self._prefilled(seq, now))
         for seq, token_id, logprob in zip(sampling, token_ids, logprobs, strict=True):
             outputs.append(self._append_token(seq, token_id, logprob, now))
         return outputs
+
+    def _prefilled(self, seq: Sequence, now: float) -> RequestOutput:
+        """A prefill-only request's prompt is computed: finished, its blocks kept."""
+        self.scheduler.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "prefilled"
+        seq.finished_time = now
+        self.prefilled[seq.request_id] = seq
+        return self._final_output(seq)
 
     def _append_token(
         self, seq: Sequence, token_id: int, logprob: TokenLogprob | None, now: float

@@ -8,7 +8,7 @@ import torch
 
 import kernels as ops
 from inference.engine.config import EngineConfig
-from inference.engine.kv_cache import allocate_kv_cache
+from inference.engine.kv_cache import allocate_kv_buffer, layer_caches
 from inference.engine.outputs import TokenLogprob
 from inference.engine.sampler import sample
 from inference.engine.scheduler import ScheduledSequence
@@ -37,9 +37,10 @@ class ModelRunner:
             self.model = LlamaModel(model_config, config.torch_dtype, max_model_len)
             load_weights(self.model, directory)
             self.model.pack_weights(config.quantization)
-        self.kv_caches = allocate_kv_cache(
+        self.kv_buffer = allocate_kv_buffer(
             model_config, config.torch_dtype, num_blocks, config.block_size, config.device
         )
+        self.kv_caches = layer_caches(self.kv_buffer)
 
     @torch.inference_mode()
     def run(
@@ -69,7 +70,7 @@ class ModelRunner:
             query_lens.append(item.num_new_tokens)
             context_lens.append(end)
             block_tables.append(table)
-            if end == seq.num_tokens:
+            if end == seq.num_tokens and not seq.prefill_only:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(seq)
         position_ids = torch.tensor(positions, dtype=torch.long, device=self.device)

@@ -41,6 +41,21 @@ class RequestOutput:
 
 
 @dataclass
+class KVRequest:
+    """A sequence awaiting its prompt's KV from a prefill node (disaggregated prefill): compute
+    `token_ids` (the prompt up to the block holding its last token) and write their blocks from
+    `first_block` on into `block_ids` before `deadline` (time.time()), under `epoch`."""
+
+    request_id: str
+    epoch: int
+    token_ids: list[int]
+    first_block: int
+    block_ids: list[int]
+    cached_tokens: int
+    deadline: float
+
+
+@dataclass
 class CompletionOutput:
     """A finished request as the offline `LLM.generate` returns it."""
 
@@ -68,3 +83,7 @@ class EngineStats:
     prefix_cache_hit_tokens: int
     prefix_cache_query_tokens: int
     num_preemptions: int
+    num_awaiting_kv: int = 0
+    num_held_blocks: int = 0
+    num_kv_timeouts: int = 0
+    num_kv_fallbacks: int = 0

@@ -15,6 +15,7 @@ from inference.structured.grammar import Constraint
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    AWAITING_KV = "awaiting_kv"  # its prompt's blocks are allocated; a prefill node fills them
     FINISHED = "finished"
 
 
@@ -51,6 +52,15 @@ class Sequence:
         self.num_preemptions = 0
         self.constraint: Constraint | None = None  # its grammar, when its output is constrained
         self.generator: torch.Generator | None = None
+        # Disaggregated prefill (inference/disagg): on a prefill node, compute the prompt's KV
+        # only (no sampling; the blocks stay held until the node has sent them); on a decode
+        # node, wait for a prefill node to write the prompt's KV (`remote_prefill`), under a new
+        # epoch at each attempt, until `kv_deadline`.
+        self.prefill_only = False
+        self.remote_prefill = False
+        self.kv_epoch = 0
+        self.kv_deadline: float | None = None
+        self.kv_first_block = 0
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.arrival_time = arrival_time if arrival_time is not None else time.time()

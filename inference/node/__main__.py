@@ -3,6 +3,10 @@
 The broker is Redis (`--redis-url`) unless `--broker-url amqp://…` names RabbitMQ; deltas go over
 the Channels Redis layer and heartbeats to Redis keys, on `--redis-url`.
 
+`--role prefill` runs a prefill node (inference/disagg/prefill_node.py), `--role decode` a decode
+node that has the prompts the gateway split computed by one (docs/disaggregation.md); both move
+KV blocks with the Mooncake Transfer Engine on `--kv-host`.
+
 SIGTERM or SIGINT drains the node: it leaves the registry, takes no more work, finishes the
 requests it runs, reports them and exits with 0. A second signal stops it at once: the requests
 it had not finished stay unacknowledged and the broker redelivers them to another node.
@@ -17,6 +21,9 @@ import socket
 import threading
 import uuid
 
+from inference.disagg.layout import kv_layout_of
+from inference.disagg.prefill_node import PrefillNode
+from inference.disagg.transfer import KVTransfer
 from inference.engine import EngineConfig, LLMEngine
 from inference.node.node import Node
 from inference.protocol.delta_publisher import DeltaPublisher
@@ -28,6 +35,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", required=True, help="the served model id (its queue name)")
     parser.add_argument("--source", help="weights: HF directory, .gguf, or default model name")
     parser.add_argument("--node-id", default=f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
+    parser.add_argument("--role", default="unified", choices=["unified", "prefill", "decode"])
+    parser.add_argument(
+        "--kv-host", default="127.0.0.1", help="the address peers reach this node's KV cache on"
+    )
+    parser.add_argument(
+        "--kv-wait-s",
+        type=float,
+        default=30.0,
+        help="decode role: how long a request awaits its KV before it is asked for again",
+    )
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--broker-url", help="amqp://… for RabbitMQ; default: --redis-url")
     parser.add_argument("--broker-namespace", default="dramatiq")
@@ -77,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
             max_num_seqs=args.max_num_seqs,
             kv_cache_memory_bytes=args.kv_cache_mb * 1024 * 1024,
+            kv_wait_s=args.kv_wait_s,
         )
     )
     broker = make_broker(args)
@@ -86,7 +104,17 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     heartbeat = RedisHeartbeat(redis.Redis.from_url(args.redis_url))
-    node = Node(engine, args.model, args.node_id, broker, publisher, heartbeat)
+    transfer = None
+    if args.role != "unified":
+        transfer = KVTransfer(
+            engine.runner.kv_buffer, kv_layout_of(engine, args.model), host=args.kv_host
+        )
+    if args.role == "prefill":
+        node = PrefillNode(engine, args.model, args.node_id, broker, transfer, heartbeat)
+    else:
+        node = Node(
+            engine, args.model, args.node_id, broker, publisher, heartbeat, args.role, transfer
+        )
     stop = threading.Event()
 
     def drain_then_stop(*_) -> None:
@@ -96,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, drain_then_stop)
-    logging.getLogger(__name__).info("node %s serving %s", args.node_id, args.model)
+    logging.getLogger(__name__).info("%s node %s serving %s", args.role, args.node_id, args.model)
     try:
         node.run(stop)
     finally:

@@ -7,6 +7,11 @@ mid-request leaves it to be redelivered (at least once); the control plane makes
 exactly once. Results and start notices are reported in groups: what finished (or started)
 within `report_ms` goes in one message, and the answered messages are acked in one round trip;
 an engine that runs out of work reports at once, so a lone request waits for nothing.
+
+A decode node (`role="decode"`, with a KVTransfer) has the prompts of the requests the gateway
+split computed by a prefill node (inference/disagg/decode.py); every other node prefills them
+itself. The KV of a request with n > 1 choices is asked for once: its other choices start when the
+first one has its first token, and find the prompt in the prefix cache.
 """
 
 from __future__ import annotations
@@ -25,12 +30,16 @@ import redis
 from dramatiq.broker import Broker, Consumer, MessageProxy
 from dramatiq.errors import BrokerConnectionError
 
+from inference.disagg.decode import RemotePrefills
+from inference.disagg.layout import kv_layout_of
+from inference.disagg.transfer import KVTransfer
 from inference.engine.llm_engine import LLMEngine
 from inference.engine.outputs import RequestOutput, Timings
 from inference.engine.sampling_params import SamplingParams
 from inference.errors import InvalidRequestError, RequestExpiredError
+from inference.node.state import engine_state
 from inference.protocol.delta_publisher import DeltaPublisher
-from inference.protocol.heartbeat import DIGEST_MAX_BLOCKS, encode_prefix_digest
+from inference.protocol.disagg import disagg_counters
 from inference.protocol.keyed_messages import (
     RECORD_SUFFIX,
     ack_all,
@@ -41,6 +50,7 @@ from inference.protocol.keyed_messages import (
 from inference.protocol.messages import (
     ABORT_ACTOR,
     CONTROLPLANE_QUEUE,
+    PREFILL_DONE_ACTOR,
     RECORD_COMPLETION_ACTOR,
     RECORD_STARTED_ACTOR,
     GenerationRequest,
@@ -76,6 +86,10 @@ class _InFlight:
     message: MessageProxy
     choices: list[_Choice] = field(default_factory=list)
     output: RequestOutput | None = None  # the first choice's last output: usage and timings
+    # Choices added once the first has its first token (its prompt's KV came from a prefill
+    # node): (engine sequence id, their sampling parameters).
+    deferred: list[tuple[str, SamplingParams]] = field(default_factory=list)
+    prefill_node: str | None = None  # the prefill node that computed the prompt
 
 
 def sequence_id(request_id: str, index: int, n: int) -> str:
@@ -100,6 +114,7 @@ class Node:
         publisher: DeltaPublisher | None = None,
         heartbeat: HeartbeatSink | None = None,
         role: str = "unified",
+        kv: KVTransfer | None = None,
         poll_ms: int = 4,
         busy_poll_ms: int = 20,
         report_ms: int = 50,
@@ -112,6 +127,13 @@ class Node:
         self.publisher = publisher
         self.heartbeat = heartbeat
         self.role = role
+        self.kv_layout = kv_layout_of(engine, model).as_dict()
+        # Only a decode node asks prefill nodes for KV; a unified one prefills what it takes.
+        self.remote = (
+            RemotePrefills(engine, kv, broker, model, node_id)
+            if kv is not None and role == "decode"
+            else None
+        )
         self.heartbeat_interval_s = heartbeat_interval_s
         self.inflight: dict[str, _InFlight] = {}
         # Engine sequence id → its request and choice index (sequence_id).
@@ -142,7 +164,7 @@ class Node:
     # ---- admission ------------------------------------------------------------------------
     def free_slots(self) -> int:
         """Requests the engine can take now: sequence slots not held by running or waiting ones."""
-        held = self.engine.num_running + self.engine.num_waiting
+        held = self.engine.num_running + self.engine.num_waiting + self.engine.num_awaiting_kv
         return max(0, self.engine.config.max_num_seqs - held)
 
     def pull(self) -> int:
@@ -190,32 +212,41 @@ class Node:
             if request.deadline is not None and request.deadline <= time.time():
                 # It waited in the broker past its deadline: report it expired, compute nothing.
                 raise RequestExpiredError("the job's deadline passed before it started")
-            added = []
+            remote = request.prefill is not None and self.remote is not None
+            added, deferred = [], []
             for index in range(request.n):
                 # Each choice samples with its own seed, so seeded choices differ but repeat.
                 seed = request.sampling.seed
                 params = dataclasses.replace(
                     request.sampling, seed=None if seed is None else seed + index
                 )
-                added.append(sequence_id(request.request_id, index, request.n))
+                engine_id = sequence_id(request.request_id, index, request.n)
+                if remote and index > 0:  # the same prompt: choice 0 validates it
+                    deferred.append((engine_id, params))
+                    continue
+                added.append(engine_id)
                 try:
                     self.engine.add_request(
-                        added[-1],
+                        engine_id,
                         request.prompt_token_ids,
                         params,
                         namespace=request.org,
                         deadline=request.deadline,
+                        remote_prefill=remote,
                     )
                 except InvalidRequestError:
                     for done in added[:-1]:  # reported by the next step, to nobody
                         self.engine.abort(done)
                     raise
+            if remote:
+                self.remote.expect(added[0], request.prefill["queue"])
         except InvalidRequestError as error:
             self._reject(consumer, message, body, error)
             return
         flight = _InFlight(request, consumer, message, [_Choice() for _ in range(request.n)])
+        flight.deferred = deferred
         self.inflight[request.request_id] = flight
-        for index, engine_id in enumerate(added):
+        for index, engine_id in enumerate(added + [engine_id for engine_id, _ in deferred]):
             self.sequences[engine_id] = (flight, index)
         if not self.unsent_starts:
             self._starts_since = time.monotonic()
@@ -279,9 +310,27 @@ class Node:
             found = self.sequences.get(output.request_id)
             if found is not None:
                 self._handle(*found, output)
+        if self.remote is not None:
+            self.remote.send_requests()
         self.record_finished()
 
+    def _start_deferred(self, flight: _InFlight) -> None:
+        """The first choice has its prompt's KV: the others start, served from the cache."""
+        for engine_id, params in flight.deferred:
+            self.engine.add_request(
+                engine_id,
+                flight.request.prompt_token_ids,
+                params,
+                namespace=flight.request.org,
+                deadline=flight.request.deadline,
+            )
+        flight.deferred = []
+
     def _handle(self, flight: _InFlight, index: int, output: RequestOutput) -> None:
+        if index == 0 and self.remote is not None and flight.prefill_node is None:
+            flight.prefill_node = self.remote.forget(output.request_id)
+        if index == 0 and flight.deferred:
+            self._start_deferred(flight)
         choice = flight.choices[index]
         text = storable_text(output.text)
         choice.text.append(text)
@@ -302,6 +351,7 @@ class Node:
                     "text": text,
                     "token_ids": output.token_ids,
                     "node": self.node_id,
+                    "prefill_node": flight.prefill_node,
                     "cached_tokens": output.cached_tokens,
                     "logprobs": entries or None,
                 },
@@ -356,6 +406,7 @@ class Node:
             output.timings,
             logprobs=first.logprobs if wants_logprobs else None,
         )
+        result.prefill_node = flight.prefill_node
         if flight.request.n > 1:
             result.choices = [
                 {
@@ -418,25 +469,43 @@ class Node:
         else:
             self.broker.enqueue(message)
 
-    def read_control(self, interval_s: float = 0.1) -> None:
-        """Apply the control queue's aborts, at most every `interval_s`: an abort of a request
+    def read_control(self, interval_s: float = 0.1, wait_ms: int = 0) -> None:
+        """Apply the control queue's messages, at most every `interval_s` (every call while
+        requests await their KV), waiting up to `wait_ms` for the first. An abort of a request
         this node runs stops it now (its result, with what it generated, is recorded as usual);
-        one for a request it does not run is dropped."""
+        one for a request it does not run is dropped. A `prefill_done` lets a request that
+        awaited its KV run on."""
         now = time.monotonic()
-        if now - self._last_control < interval_s:
+        awaiting = self.remote is not None and self.remote.awaiting > 0
+        if not awaiting and now - self._last_control < interval_s:
             return
         self._last_control = now
+        self.control.timeout = wait_ms
         while (message := next(self.control)) is not None:
+            self.control.timeout = 0
             body = message.args[0] if message.args else {}
             if message.actor_name == ABORT_ACTOR and isinstance(body, dict):
                 request_id = body.get("request_id")
                 if request_id in self.inflight and self._abort(request_id):
                     logger.info("aborted %s at the control plane's request", request_id)
+            elif (
+                message.actor_name == PREFILL_DONE_ACTOR
+                and isinstance(body, dict)
+                and self.remote is not None
+            ):
+                self.remote.on_done(body)
             self.control.ack(message)
+        self.control.timeout = 0
 
     def _abort(self, request_id: str) -> bool:
-        """Stop every choice of a request; True if one was still running."""
-        n = self.inflight[request_id].request.n
+        """Stop every choice of a request; True if one was still running. Choices that had
+        not started (deferred) finish with reason 'abort', having generated nothing."""
+        flight = self.inflight[request_id]
+        n = flight.request.n
+        for engine_id, _ in flight.deferred:
+            _, index = self.sequences.pop(engine_id)
+            flight.choices[index].finish_reason = "abort"
+        flight.deferred = []
         stopped = [self.engine.abort(sequence_id(request_id, i, n)) for i in range(n)]
         return any(stopped)
 
@@ -487,23 +556,15 @@ class Node:
         if self.draining:
             self.heartbeat(self.node_id, None, self.heartbeat_interval_s * 3)
             return
-        stats = self.engine.stats()
-        state = {
-            "id": self.node_id,
-            "model": self.model,
-            "role": self.role,
-            "free_blocks": stats.num_free_blocks,
-            "num_blocks": stats.num_blocks,
-            "block_size": stats.block_size,
-            "running": stats.num_running,
-            "waiting": stats.num_waiting,
-            "free_slots": self.free_slots(),
-            "max_num_seqs": self.engine.config.max_num_seqs,
-            "cached_prefix_digest": encode_prefix_digest(
-                self.engine.cached_block_hashes(DIGEST_MAX_BLOCKS)
-            ),
-            "at": time.time(),
-        }
+        state = engine_state(
+            self.node_id,
+            self.model,
+            self.role,
+            self.engine,
+            self.free_slots(),
+            kv_layout=self.kv_layout,
+            disagg=self.remote.stats() if self.remote is not None else disagg_counters(),
+        )
         self.heartbeat(self.node_id, state, self.heartbeat_interval_s * 3)
 
     def run(self, stop: threading.Event) -> None:
@@ -527,6 +588,10 @@ class Node:
                 self.read_control()
                 if self.engine.has_unfinished_requests():
                     self.step()
+                    if not self.engine.has_runnable_requests():
+                        # Only KV to wait for: wait on the control queue, not in a busy loop.
+                        self.read_control(wait_ms=self.poll_ms)
+                self.engine.release_holds()
                 self.beat()
                 if broker_down:
                     logger.warning("broker back; %d result(s) recorded late", self.recorded_late)

@@ -11,7 +11,13 @@ finished within its report window travel together, as `{"node", "results": [resu
 finished alone travels as the message itself (`results_of` reads both).
 
 Each node also reads a control queue of its own, `infer.<model>.<node>.control`: `abort`
-messages (`{"request_id"}`) stop a request it runs (a cancelled job, or one past its attempts).
+messages (`{"request_id"}`) stop a request it runs (a cancelled job, or one past its attempts),
+and, on a decode node, `prefill_done` messages (inference/protocol/disagg.py) say its KV arrived.
+
+A generation request the gateway chose to split (docs/disaggregation.md) also carries `prefill`:
+`{"queue": …}`, the prefill queue (`prefill.<model>`, or a prefill node's own
+`prefill.<model>.<node>`) the decode node sends its prefill message to. Its result then names the
+prefill node that computed the prompt (`prefill_node`), and so does every delta of its stream.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ GENERATE_ACTOR = "generate"
 RECORD_COMPLETION_ACTOR = "record_completion"
 RECORD_STARTED_ACTOR = "record_started"
 ABORT_ACTOR = "abort"
+PREFILL_ACTOR = "prefill"
+PREFILL_DONE_ACTOR = "prefill_done"
 CONTROLPLANE_QUEUE = "default"
 MAX_N = 8  # the most completions one request may ask for
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -49,6 +57,16 @@ def queue_node(model: str, queue: str) -> str | None:
     return queue[len(shared) + 1 :] if queue.startswith(shared + ".") else None
 
 
+def prefill_queue(model: str) -> str:
+    """Queue every prefill node serving `model` pulls prefill messages from."""
+    return f"prefill.{model}"
+
+
+def prefill_node_queue(model: str, node_id: str) -> str:
+    """Queue only one prefill node pulls from (the gateway routed the prompt's prefix to it)."""
+    return f"prefill.{model}.{node_id}"
+
+
 def control_queue(model: str, node_id: str) -> str:
     """Queue of one node's control messages (aborts)."""
     return f"infer.{model}.{node_id}.control"
@@ -67,6 +85,8 @@ class GenerationRequest:
     deadline: float | None = None
     attempt: int = 1
     n: int = 1  # how many completions of the prompt (OpenAI's `n`), each its own sequence
+    # Split by the gateway: {"queue": the prefill queue to ask}; None runs the prompt here.
+    prefill: dict[str, Any] | None = None
 
     @classmethod
     def from_message(cls, body: dict[str, Any]) -> GenerationRequest:
@@ -100,7 +120,16 @@ class GenerationRequest:
             deadline=body.get("deadline"),
             attempt=int(body.get("attempt") or 1),
             n=n,
+            prefill=_prefill_route(body.get("prefill")),
         )
+
+
+def _prefill_route(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("queue"), str):
+        raise InvalidRequestError("prefill must be an object naming a queue", "prefill")
+    return value
 
 
 @dataclass
@@ -135,6 +164,7 @@ class CompletionResult:
     timings: dict[str, Any] = dataclasses.field(default_factory=dict)
     logprobs: list[dict[str, Any]] | None = None
     choices: list[dict[str, Any]] | None = None
+    prefill_node: str | None = None  # the node that computed the prompt, when it was split
 
     @classmethod
     def from_message(cls, body: dict[str, Any]) -> CompletionResult:

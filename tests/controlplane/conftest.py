@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import uuid
 
 import pytest
+import redis
+from django.conf import settings
 
 from controlplane.accounts.management.commands.demo import DEMO_PRICES
 from controlplane.accounts.models import ApiKey, Org
 from controlplane.catalog.models import Price, ServedModel
+from controlplane.catalog.registry import RedisRouteState
 from controlplane.dispatch.group_commit import stop_writer
 
 
@@ -85,3 +89,13 @@ def post(client):
         return client.post(path, data=data, content_type="application/json", **headers)
 
     return post
+
+
+@pytest.fixture
+def redis_state():
+    """Routing state in the real Redis under this test's own prefix; deleted afterwards."""
+    client = redis.Redis.from_url(settings.DRAMATIQ_BROKER["OPTIONS"]["url"])
+    prefix = f"hearth-test-route-{uuid.uuid4().hex[:8]}:"
+    yield RedisRouteState(client, prefix)
+    for key in client.scan_iter(match=prefix + "*"):
+        client.delete(key)

@@ -108,6 +108,7 @@ def test_it_describes_hearths_extensions(document):
     assert set(chat["responses"]["200"]["headers"]) == {
         "x-request-id",
         "x-hearth-node",
+        "x-hearth-prefill-node",
         "x-hearth-cached-tokens",
     }
     assert chat["responses"]["202"]["content"]["application/json"]["schema"]["$ref"].endswith(

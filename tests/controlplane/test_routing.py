@@ -65,16 +65,6 @@ def state_of(node_id: str, free_slots: int = 8, cached: list[bytes] = (), **extr
     return registry._with_digest(state)
 
 
-@pytest.fixture
-def redis_state():
-    """Routing state in the real Redis under this test's own prefix; deleted afterwards."""
-    client = redis.Redis.from_url(REDIS_URL)
-    prefix = f"hearth-test-route-{uuid.uuid4().hex[:8]}:"
-    yield RedisRouteState(client, prefix)
-    for key in client.scan_iter(match=prefix + "*"):
-        client.delete(key)
-
-
 def session_first_on(node_id: str, node_ids: list[str], name: str = "s") -> str:
     """A session id (starting with `name`) whose rendezvous ranking puts `node_id` first."""
     return next(
@@ -342,15 +332,16 @@ def test_a_completion_adds_its_tokens_to_its_decisions_counters_once(
     model = redis_counters
     prefix_job = make_job(org_a, model=model, route=PREFIX)
     spread_job = make_job(org_a, model=model, route=SPREAD)
-    with django_capture_on_commit_callbacks(execute=True):
-        assert record_completion(result_for(prefix_job, prompt=1000, cached=960))
+    with django_capture_on_commit_callbacks(execute=True):  # its prompt computed on prefill-1
+        split = result_for(prefix_job, prompt=1000, cached=960, prefill_node="prefill-1")
+        assert record_completion(split)
     with django_capture_on_commit_callbacks(execute=True):
         assert not record_completion(result_for(prefix_job))  # a redelivery
     with django_capture_on_commit_callbacks(execute=True):
         assert record_completion(result_for(spread_job, prompt=500, cached=0))
     assert route_counters()[model] == {
-        PREFIX: {"requests": 1, "prompt_tokens": 1000, "cached_tokens": 960},
-        SPREAD: {"requests": 1, "prompt_tokens": 500, "cached_tokens": 0},
+        PREFIX: {"requests": 1, "prompt_tokens": 1000, "cached_tokens": 960, "disaggregated": 1},
+        SPREAD: {"requests": 1, "prompt_tokens": 500, "cached_tokens": 0, "disaggregated": 0},
     }
     response = client.get("/metrics")
     assert response.status_code == 200
@@ -361,6 +352,8 @@ def test_a_completion_adds_its_tokens_to_its_decisions_counters_once(
     assert samples["hearth_route_cached_tokens_total", model, "prefix"] == 960
     assert samples["hearth_route_prompt_tokens_total", model, "spread"] == 500
     assert samples["hearth_route_requests_total", model, "prefix"] == 1
+    assert samples["hearth_route_disaggregated_requests_total", model, "prefix"] == 1
+    assert samples["hearth_route_disaggregated_requests_total", model, "spread"] == 0
     # Prometheus asks for OpenMetrics first: the same counters in that format.
     response = client.get("/metrics", HTTP_ACCEPT="application/openmetrics-text; version=1.0.0")
     assert response["content-type"].startswith("application/openmetrics-text")

@@ -53,6 +53,9 @@ class ProductionStack:
             "HEARTH_NODE_DTYPE": "float32",
             "HEARTH_NODE_MAX_NUM_SEQS": "64",
             "HEARTH_NODE_KV_CACHE_MB": "16",
+            "HEARTH_NODE_ROLE": "unified",
+            "HEARTH_NODE_KV_HOST": "127.0.0.1",
+            "HEARTH_NODE_KV_WAIT_S": "30",
         }
         self.processes: dict[str, subprocess.Popen] = {}
 
@@ -219,7 +222,8 @@ class EmbeddedServer:
     """`manage.py serve` (embedded mode: SQLite, in-process worker and node) in a subprocess,
     on a fresh data directory, serving one tiny model as `model_id`."""
 
-    def __init__(self, data_dir: Path, model_id: str, model_source: Path) -> None:
+    def __init__(self, data_dir: Path, model_id: str, model_source: Path, *serve_args: str) -> None:
+        self.serve_args = serve_args  # more `manage.py serve` options (`--disaggregated`)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.data_dir = data_dir
@@ -281,7 +285,10 @@ class EmbeddedServer:
         )
         log = open(self.data_dir / "serve.log", "w")  # noqa: SIM115 (closed with the process)
         self.process = subprocess.Popen(
-            [sys.executable, "manage.py", "serve", "--port", str(self.port), "--dtype", "float32"],
+            [
+                *(sys.executable, "manage.py", "serve", "--port", str(self.port)),
+                *("--dtype", "float32", *self.serve_args),
+            ],
             cwd=ROOT,
             env=self.env,
             stdout=log,

@@ -1,14 +1,19 @@
-"""`manage.py runnode --model ID`: run a node for a catalog model (a thin wrapper).
+"""`manage.py runnode --model ID [--role unified|prefill|decode]`: run a node for a catalog model
+(a thin wrapper).
 
 The node itself (`inference.node`) needs no Django; this command only looks the model's weights
-up in the catalog and passes the broker and Redis settings on.
+up in the catalog and passes the broker and Redis settings on, and the node's role: `unified`
+(prefill and decode), or one side of disaggregated serving (controlplane/catalog/registry.py).
 """
+
+from typing import Any
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connections
 
 from controlplane.catalog.models import ServedModel
+from controlplane.catalog.registry import NODE_ROLES, UNIFIED
 from inference.node.__main__ import main as node_main
 
 
@@ -18,10 +23,12 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("--model", required=True)
         parser.add_argument("--node-id")
-        parser.add_argument("--role", default="unified", choices=["unified"])
+        parser.add_argument("--role", default=UNIFIED, choices=NODE_ROLES)
         parser.add_argument("--dtype", default="bfloat16")
         parser.add_argument("--max-num-seqs", type=int, default=64)
         parser.add_argument("--kv-cache-mb", type=int, default=512)
+        parser.add_argument("--kv-host", default="127.0.0.1")
+        parser.add_argument("--kv-wait-s", type=float, default=30.0)
 
     def handle(self, *args, **options):
         model = ServedModel.objects.filter(id=options["model"], enabled=True).first()
@@ -29,30 +36,43 @@ class Command(BaseCommand):
             raise CommandError(f"no enabled model {options['model']!r} in the catalog")
         if not settings.REDIS_URL:
             raise CommandError("runnode needs REDIS_URL (embedded mode runs its node in-process)")
-        argv = [
-            "--model",
-            model.id,
-            "--source",
-            model.source,
-            "--redis-url",
-            settings.REDIS_URL,
-            "--broker-url",
-            settings.BROKER_URL,
-            "--broker-namespace",
-            settings.DRAMATIQ_BROKER.get("OPTIONS", {}).get("namespace", "dramatiq"),
-            "--channel-prefix",
-            settings.CHANNEL_PREFIX,
-            "--dtype",
-            options["dtype"],
-            "--max-num-seqs",
-            str(options["max_num_seqs"]),
-            "--kv-cache-mb",
-            str(options["kv_cache_mb"]),
-            "--broker-heartbeat-ms",
-            str(settings.BROKER_HEARTBEAT_TIMEOUT_MS),
-        ]
-        if options["node_id"]:
-            argv += ["--node-id", options["node_id"]]
+        argv = node_argv(model, options)
         # The node never touches the database: it holds no connection while it serves.
         connections.close_all()
         raise SystemExit(node_main(argv))
+
+
+def node_argv(model: ServedModel, options: dict[str, Any]) -> list[str]:
+    """`python -m inference.node`'s arguments for `model`, from this command's `options` and
+    the control plane's settings."""
+    argv = [
+        "--model",
+        model.id,
+        "--source",
+        model.source,
+        "--redis-url",
+        settings.REDIS_URL,
+        "--broker-url",
+        settings.BROKER_URL,
+        "--broker-namespace",
+        settings.DRAMATIQ_BROKER.get("OPTIONS", {}).get("namespace", "dramatiq"),
+        "--channel-prefix",
+        settings.CHANNEL_PREFIX,
+        "--dtype",
+        options["dtype"],
+        "--max-num-seqs",
+        str(options["max_num_seqs"]),
+        "--kv-cache-mb",
+        str(options["kv_cache_mb"]),
+        "--broker-heartbeat-ms",
+        str(settings.BROKER_HEARTBEAT_TIMEOUT_MS),
+        "--role",
+        options["role"],
+        "--kv-host",
+        options.get("kv_host") or "127.0.0.1",
+        "--kv-wait-s",
+        str(options.get("kv_wait_s") or 30.0),
+    ]
+    if options["node_id"]:
+        argv += ["--node-id", options["node_id"]]
+    return argv

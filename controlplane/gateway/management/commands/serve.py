@@ -19,10 +19,16 @@ class Command(BaseCommand):
         parser.add_argument("--port", type=int, default=8000)
         parser.add_argument("--dtype", default="bfloat16")
         parser.add_argument("--kv-cache-mb", type=int, default=256)
+        parser.add_argument(
+            "--disaggregated",
+            action="store_true",
+            help="a prefill node and a decode node per model, KV moved over loopback",
+        )
 
     def handle(self, *args, host: str, port: int, dtype: str, kv_cache_mb: int, **options):
         if not settings.EMBEDDED:
             raise CommandError(
                 "serve is embedded mode; with REDIS_URL set run uvicorn, runnode and rundramatiq"
             )
-        asyncio.run(EmbeddedHearth(host, port, dtype, kv_cache_mb).serve())
+        hearth = EmbeddedHearth(host, port, dtype, kv_cache_mb, options["disaggregated"])
+        asyncio.run(hearth.serve())
