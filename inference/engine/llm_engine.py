@@ -203,6 +203,20 @@ class LLMEngine:
         self.scheduler.kv_requests = []
         return requests
 
+    def has_blocks_for(
+        self, prompt_token_ids: list[int], max_tokens: int | None, namespace: str = ""
+    ) -> bool:
+        """Whether a request with this prompt and `max_tokens` would be admitted at once: none
+        waits before it, and the blocks for its uncached prompt and its output are free."""
+        if self.scheduler.waiting:
+            return False
+        seq = Sequence("", prompt_token_ids, SamplingParams(max_tokens=max_tokens), namespace)
+        hits = self.block_manager.match_prefix(seq)
+        computed = len(hits) * self.block_manager.block_size
+        total = len(prompt_token_ids) + (max_tokens or 0)
+        needed = self.block_manager.blocks_needed(seq, total - computed, hits)
+        return needed <= self.block_manager.num_free_blocks
+
     def _awaiting(self, request_id: str, epoch: int) -> Sequence | None:
         seq = self.scheduler.awaiting_kv.get(request_id)
         return seq if seq is not None and seq.kv_epoch == epoch else None

@@ -136,6 +136,7 @@ class Node:
         )
         self.heartbeat_interval_s = heartbeat_interval_s
         self.inflight: dict[str, _InFlight] = {}
+        self._full_until_step = False
         # Engine sequence id → its request and choice index (sequence_id).
         self.sequences: dict[str, tuple[_InFlight, int]] = {}
         self.finished: list[tuple[dict[str, Any], _InFlight]] = []  # record_finished
@@ -163,7 +164,11 @@ class Node:
 
     # ---- admission ------------------------------------------------------------------------
     def free_slots(self) -> int:
-        """Requests the engine can take now: sequence slots not held by running or waiting ones."""
+        """Requests the engine can take now: sequence slots not held by running, waiting or
+        KV-awaiting ones. None, until its next step, on a decode node that gave back a split
+        request for want of blocks (`_admit`)."""
+        if self._full_until_step:
+            return 0
         held = self.engine.num_running + self.engine.num_waiting + self.engine.num_awaiting_kv
         return max(0, self.engine.config.max_num_seqs - held)
 
@@ -209,6 +214,18 @@ class Node:
             return
         try:
             request = GenerationRequest.from_message(body)
+            if (
+                request.prefill is not None
+                and self.remote is not None
+                and not self.engine.has_blocks_for(
+                    request.prompt_token_ids, request.sampling.max_tokens, request.org
+                )
+            ):
+                # A decode node takes a split request only with the blocks for its prompt and
+                # its max_tokens reserve free: back to the broker, for a node that has them.
+                consumer.requeue([message])
+                self._full_until_step = True
+                return
             if request.deadline is not None and request.deadline <= time.time():
                 # It waited in the broker past its deadline: report it expired, compute nothing.
                 raise RequestExpiredError("the job's deadline passed before it started")
@@ -306,6 +323,7 @@ class Node:
 
     # ---- running ----------------------------------------------------------------------------
     def step(self) -> None:
+        self._full_until_step = False
         for output in self.engine.step():
             found = self.sequences.get(output.request_id)
             if found is not None:

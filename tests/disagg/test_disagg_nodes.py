@@ -294,3 +294,29 @@ def test_a_prefill_node_of_another_layout_is_refused_and_the_request_prefilled_h
     assert prefill.counters["requests"] == 0
     assert_same_output(result, unified_results(tiny_llama_dir, [request("mixed", LONG)])["mixed"])
     wait_for_baseline(decode.engine)
+
+
+def test_a_decode_node_without_blocks_for_a_split_request_leaves_it_in_the_broker(
+    tiny_llama_dir, broker
+):
+    """decode-1 has 20 blocks: LONG's 13 (prompt and max_tokens) fit once. While they are taken
+    (and then held until the write deadline), the second request stays in the broker, where
+    decode-2 takes it."""
+    small = decode_node(
+        tiny_llama_dir, broker, num_kv_blocks=20, kv_wait_s=3.0, kv_hold_grace_s=0.2
+    )
+    prefill = prefill_node(tiny_llama_dir, broker)
+    enqueue(broker, request("a", LONG))
+    enqueue(broker, request("b", [7, *LONG[1:]]))
+    queue_key = f"{broker.namespace}:infer.{MODEL}"
+    with running(small, prefill):
+        [first] = collect_results(broker, 1).values()
+        assert broker.client.llen(queue_key) == 1  # the other, given back
+        assert small.engine.num_waiting == 0
+    other = decode_node(tiny_llama_dir, broker, node_id="decode-2", **fast_holds())
+    with running(small, other, prefill):
+        [second] = collect_results(broker, 1).values()
+    assert {first["request_id"], second["request_id"]} == {"a", "b"}
+    assert (first["node"], second["node"]) == ("decode-1", "decode-2")
+    assert second["prefill_node"] == "prefill-1"
+    wait_for_baseline(small.engine, other.engine, prefill.engine)
