@@ -2,8 +2,9 @@
 
 Each node registers its whole KV buffer once (inference.engine.kv_cache lays it out so that a run
 of consecutive blocks of one layer's keys is one run of bytes). A write of blocks coalesces runs
-that are consecutive on both sides, so it sends at most 2 × layers × runs pieces, all in one
-batch call; the engine carries them over TCP here, RDMA or NVLink where the hardware has them.
+that are consecutive on both sides, so it sends 2 × layers × runs pieces, in batch calls of at
+most MAX_BATCH_PIECES; the engine carries them over TCP here, RDMA or NVLink where the hardware
+has them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from inference.disagg.layout import KVLayout, KVRegion
+
+# Mooncake's TCP transport refuses a batch of more than about 2,048 pieces (its per-peer queue),
+# and after that refusal every later write to the same peer failed until the process restarted
+# (measured with 0.3.13: 2,040 pieces went, 2,100 did not). A fragmented cache (after churn, a
+# prompt's blocks are rarely consecutive) reaches that: SmolLM2 sends 60 pieces per run.
+MAX_BATCH_PIECES = 1000
 
 
 class TransferError(Exception):
@@ -75,8 +82,11 @@ class KVTransfer:
                     ours.append(self.region.offset(layer, kind, src_start))
                     theirs.append(peer.offset(layer, kind, dst_start))
                     lengths.append(length * block_bytes)
-        if ours:
-            status = self.engine.batch_transfer_sync_write(peer.endpoint, ours, theirs, lengths)
+        for start in range(0, len(ours), MAX_BATCH_PIECES):
+            end = start + MAX_BATCH_PIECES
+            status = self.engine.batch_transfer_sync_write(
+                peer.endpoint, ours[start:end], theirs[start:end], lengths[start:end]
+            )
             if status != 0:
                 raise TransferError(f"writing {len(src)} block(s) to {peer.endpoint} failed")
         return WriteStats(len(src), len(ours), sum(lengths), time.perf_counter() - started)

@@ -185,6 +185,23 @@ def test_a_write_lands_in_exactly_the_peer_blocks_named_every_layer_keys_and_val
     assert torch.equal(target.runner.kv_buffer, expected)
 
 
+def test_a_fragmented_write_of_thousands_of_pieces_goes_through_and_the_next_one_too(
+    tiny_llama_dir,
+):
+    """Every other block: one run per block, 6 pieces each (3 layers, keys and values): 2,400
+    pieces, more than Mooncake's TCP transport takes in one batch."""
+    source = engine(tiny_llama_dir, num_kv_blocks=900)
+    target = engine(tiny_llama_dir, num_kv_blocks=900)
+    source.runner.kv_buffer.copy_(torch.randn_like(source.runner.kv_buffer))
+    ours = KVTransfer(source.runner.kv_buffer, kv_layout_of(source, "tiny"))
+    theirs = KVTransfer(target.runner.kv_buffer, kv_layout_of(target, "tiny"))
+    src, dst = list(range(0, 800, 2)), list(range(1, 801, 2))
+    assert ours.write_blocks(theirs.region, src, dst).pieces == 2400
+    assert torch.equal(target.runner.kv_buffer[:, :, dst], source.runner.kv_buffer[:, :, src])
+    ours.write_blocks(theirs.region, [5, 6, 7], [0, 2, 4])
+    assert torch.equal(target.runner.kv_buffer[:, :, [0, 2, 4]], source.runner.kv_buffer[:, :, 5:8])
+
+
 def test_layouts_that_differ_are_refused_naming_every_difference():
     ours = KVLayout("tiny", "bfloat16", 16, 4, 2, 32)
     peers = KVPeers(ours)
