@@ -109,15 +109,43 @@ class BlockManager:
             self.prefix_cache_hit_tokens += seq.num_computed_tokens
             self.prefix_cache_query_tokens += seq.num_prompt_tokens
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Grow the block table to hold `num_new_tokens` more tokens; False if blocks run out."""
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, contiguous: bool = False) -> bool:
+        """Grow the block table to hold `num_new_tokens` more tokens; False if blocks run out.
+        `contiguous` takes consecutive block ids where it can (`_contiguous_free`), for blocks
+        that will be sent to or received from another node: a run of consecutive blocks moves as
+        one piece per layer, a scattered one as one small piece per block and layer."""
         target = seq.num_blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)
         missing = target - len(seq.block_table)
         if missing > len(self.free_block_ids):
             return False
+        if contiguous and missing > 1:
+            seq.block_table.extend(self._take_free_block(b) for b in self._contiguous_free(missing))
+            return True
         for _ in range(missing):
             seq.block_table.append(self._take_free_block())
         return True
+
+    def _contiguous_free(self, count: int) -> list[int]:
+        """`count` free block ids in as few runs of consecutive ids as the free list allows: the
+        run of at least `count` whose first block was freed longest ago, else the longest runs.
+        (It evicts out of LRU order; only blocks that move between nodes are taken so.)"""
+        rank = {block_id: index for index, block_id in enumerate(self.free_block_ids)}
+        ordered = sorted(rank)
+        runs: list[list[int]] = []
+        start = 0
+        for index in range(1, len(ordered) + 1):
+            if index == len(ordered) or ordered[index] != ordered[index - 1] + 1:
+                runs.append(ordered[start:index])
+                start = index
+        long_enough = [run for run in runs if len(run) >= count]
+        if long_enough:
+            return min(long_enough, key=lambda run: rank[run[0]])[:count]
+        chosen: list[int] = []
+        for run in sorted(runs, key=len, reverse=True):
+            chosen.extend(run[: count - len(chosen)])
+            if len(chosen) == count:
+                break
+        return chosen
 
     def commit_computed_blocks(self, seq: Sequence) -> None:
         """Register the blocks of `seq` that became full of computed tokens in the last step."""
@@ -169,8 +197,12 @@ class BlockManager:
             released += 1
         return released
 
-    def _take_free_block(self) -> int:
-        block_id, _ = self.free_block_ids.popitem(last=False)
+    def _take_free_block(self, block_id: int | None = None) -> int:
+        """The least recently freed block, or `block_id` (which must be free)."""
+        if block_id is None:
+            block_id, _ = self.free_block_ids.popitem(last=False)
+        else:
+            del self.free_block_ids[block_id]
         block = self.blocks[block_id]
         if block.block_hash is not None:
             # Evict: the least recently freed cached block is overwritten.

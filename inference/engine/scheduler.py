@@ -157,12 +157,15 @@ class Scheduler:
                 continue
             computed = len(hits) * self.block_manager.block_size
             num_new = min(seq.num_tokens - computed, budget)
-            needed = self.block_manager.blocks_needed(seq, num_new, hits)
+            # A prefill-only prompt's blocks are sent to a decode node: all taken at once, in
+            # consecutive runs (BlockManager.allocate_slots), however many chunks compute them.
+            allocate = seq.num_tokens - computed if seq.prefill_only else num_new
+            needed = self.block_manager.blocks_needed(seq, allocate, hits)
             if needed > self.block_manager.num_free_blocks:
                 break
             self.waiting.popleft()
             self.block_manager.admit(seq, hits)
-            allocated = self.block_manager.allocate_slots(seq, num_new)
+            allocated = self.block_manager.allocate_slots(seq, allocate, seq.prefill_only)
             assert allocated, "blocks_needed promised enough free blocks"
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
@@ -195,7 +198,7 @@ class Scheduler:
             return False
         self.waiting.popleft()
         manager.admit(seq, hits)
-        allocated = manager.allocate_slots(seq, seq.num_tokens - computed)
+        allocated = manager.allocate_slots(seq, seq.num_tokens - computed, contiguous=True)
         assert allocated, "blocks_needed promised enough free blocks"
         seq.status = SequenceStatus.AWAITING_KV
         seq.kv_epoch += 1

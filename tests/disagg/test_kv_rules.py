@@ -214,3 +214,21 @@ def test_layouts_that_differ_are_refused_naming_every_difference():
     assert "dtype 'bfloat16' here, 'float32' there" in message
     assert "block_size 16 here, 8 there" in message and "127.0.0.1:2" in message
     assert peers.num_peers == 2
+
+
+def test_blocks_that_move_between_nodes_are_taken_in_consecutive_runs(tiny_llama_dir):
+    """After churn the free list is out of order (LRU: 20-23, then 5-12); a remote prefill's
+    blocks (decode side) and a prefill-only prompt's (prefill side) still come as one run."""
+    for flags in ({"remote_prefill": True}, {"prefill_only": True}):
+        node = engine(tiny_llama_dir, num_kv_blocks=24, max_num_batched_tokens=200)
+        for index in range(20):  # one block each: blocks 0-19
+            node.add_request(f"s{index}", [100 + index] * 10, GREEDY)
+        node.step()
+        for index in range(5, 13):
+            node.abort(f"s{index}")
+        node.step()
+        assert list(node.block_manager.free_block_ids)[:6] == [20, 21, 22, 23, 5, 6]
+        node.add_request("x", list(range(3, 103)), GREEDY, **flags)
+        node.step()
+        seq = node.sequences.get("x") or node.prefilled["x"]  # a prefilled one is done
+        assert seq.block_table == list(range(5, 12))
