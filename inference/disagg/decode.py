@@ -99,7 +99,7 @@ class RemotePrefills:
             logger.info("stale prefill_done for %s (epoch %d)", done.request_id, done.epoch)
             return False
         self.filled_by[done.request_id] = done.prefill_node
-        self.counters["tokens_transferred"] += done.blocks * self.engine.config.block_size
+        self.counters["tokens_transferred"] += done.tokens
         self.counters["blocks_transferred"] += done.blocks
         self.counters["bytes_transferred"] += done.bytes
         self.counters["transfer_seconds"] += done.transfer_s

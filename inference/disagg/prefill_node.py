@@ -168,8 +168,12 @@ class PrefillNode:
         if time.time() >= request.deadline:
             logger.info("too late to write %s (epoch %d)", request.request_id, request.epoch)
             return
+        block_size = self.engine.config.block_size
+        tokens = len(request.token_ids) - request.first_block * block_size
         try:
-            written = self.transfer.write_blocks(prefill.peer, blocks, request.block_ids)
+            written = self.transfer.write_blocks(
+                prefill.peer, blocks, request.block_ids, tokens - (len(blocks) - 1) * block_size
+            )
         except TransferError as error:
             logger.warning("could not write the KV of %s: %s", request.request_id, error)
             self._answer(request, error=str(error))
@@ -177,7 +181,7 @@ class PrefillNode:
         counters = self.counters
         counters["requests"] += 1
         counters["tokens_prefilled"] += len(request.token_ids) - cached_tokens
-        counters["tokens_transferred"] += written.blocks * self.engine.config.block_size
+        counters["tokens_transferred"] += tokens
         counters["blocks_transferred"] += written.blocks
         counters["bytes_transferred"] += written.bytes
         counters["transfer_seconds"] += written.seconds
@@ -185,6 +189,7 @@ class PrefillNode:
         self._answer(
             request,
             cached_tokens=cached_tokens,
+            tokens=tokens,
             blocks=written.blocks,
             bytes=written.bytes,
             transfer_s=written.seconds,

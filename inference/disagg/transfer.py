@@ -70,18 +70,32 @@ class KVTransfer:
             layout=layout,
         )
 
-    def write_blocks(self, peer: KVRegion, src: list[int], dst: list[int]) -> WriteStats:
+    def write_blocks(
+        self, peer: KVRegion, src: list[int], dst: list[int], last_tokens: int | None = None
+    ) -> WriteStats:
         """Write our blocks `src` into `peer`'s blocks `dst` (every layer, keys and values);
-        raises TransferError when the engine reports a failure."""
+        of the last block only its first `last_tokens` token slots (default: all of them), so
+        that the slots after a prompt's end, which the peer fills itself, are never touched.
+        Raises TransferError when the engine reports a failure."""
         started = time.perf_counter()
         ours, theirs, lengths = [], [], []
-        block_bytes = self.region.layout.block_bytes
-        for src_start, dst_start, length in contiguous_runs(src, dst):
-            for layer in range(self.region.layout.num_layers):
+        layout = self.region.layout
+        block_bytes = layout.block_bytes
+        full_src, full_dst = src, dst
+        if last_tokens is not None and last_tokens < layout.block_size and src:
+            full_src, full_dst = src[:-1], dst[:-1]
+        for src_start, dst_start, length in contiguous_runs(full_src, full_dst):
+            for layer in range(layout.num_layers):
                 for kind in (0, 1):
                     ours.append(self.region.offset(layer, kind, src_start))
                     theirs.append(peer.offset(layer, kind, dst_start))
                     lengths.append(length * block_bytes)
+        if full_src is not src:
+            for layer in range(layout.num_layers):
+                for kind in (0, 1):
+                    ours.append(self.region.offset(layer, kind, src[-1]))
+                    theirs.append(peer.offset(layer, kind, dst[-1]))
+                    lengths.append(last_tokens * block_bytes // layout.block_size)
         for start in range(0, len(ours), MAX_BATCH_PIECES):
             end = start + MAX_BATCH_PIECES
             status = self.engine.batch_transfer_sync_write(

@@ -188,12 +188,13 @@ class LLMEngine:
         for seq in self.scheduler.kv_requests:
             if seq.status != SequenceStatus.AWAITING_KV:
                 continue  # aborted or expired meanwhile
-            last = (seq.num_prompt_tokens - 1) // self.block_manager.block_size
+            written = seq.num_prompt_tokens - 1
+            last = seq.num_blocks_for(written, self.block_manager.block_size)
             requests.append(
                 KVRequest(
                     request_id=seq.request_id,
                     epoch=seq.kv_epoch,
-                    token_ids=seq.token_ids[: last * self.block_manager.block_size],
+                    token_ids=seq.token_ids[:written],
                     first_block=seq.kv_first_block,
                     block_ids=seq.block_table[seq.kv_first_block : last],
                     cached_tokens=seq.kv_first_block * self.block_manager.block_size,

@@ -43,8 +43,9 @@ class RequestOutput:
 @dataclass
 class KVRequest:
     """A sequence awaiting its prompt's KV from a prefill node (disaggregated prefill): compute
-    `token_ids` (the prompt up to the block holding its last token) and write their blocks from
-    `first_block` on into `block_ids` before `deadline` (time.time()), under `epoch`."""
+    `token_ids` (the prompt but its last token) and write their blocks from `first_block` on
+    into `block_ids` (the last one holding only the tokens up to the end of `token_ids`) before
+    `deadline` (time.time()), under `epoch`."""
 
     request_id: str
     epoch: int

@@ -146,7 +146,9 @@ class Scheduler:
         ):
             seq = self.waiting[0]
             hits = self.block_manager.match_prefix(seq)
-            if seq.remote_prefill and len(hits) >= self._num_transferable_blocks(seq):
+            if seq.remote_prefill and len(hits) * self.block_manager.block_size >= (
+                seq.num_prompt_tokens - 1
+            ):
                 seq.remote_prefill = False  # the cache holds every block a prefill would send
             if seq.remote_prefill:
                 if not self._admit_awaiting_kv(seq, hits, now):
@@ -180,9 +182,9 @@ class Scheduler:
         return SchedulerOutput(decodes + prefills, expired, preempted)
 
     def _num_transferable_blocks(self, seq: Sequence) -> int:
-        """The prompt's full blocks before the one holding its last token (which the decode
-        node computes itself, to sample from it)."""
-        return (seq.num_prompt_tokens - 1) // self.block_manager.block_size
+        """The blocks holding every prompt token but the last (which the decode node computes
+        itself, to sample from it); the last of them may be partly filled."""
+        return seq.num_blocks_for(seq.num_prompt_tokens - 1, self.block_manager.block_size)
 
     def _admit_awaiting_kv(self, seq: Sequence, hits: list[int], now: float) -> bool:
         """Take the blocks of the whole prompt for `seq` and let it await its KV; False (it
@@ -218,7 +220,7 @@ class Scheduler:
         manager = self.block_manager
         written = seq.block_table[seq.kv_first_block : self._num_transferable_blocks(seq)]
         manager.hold(written, seq.kv_deadline + self.kv_hold_grace_s)
-        seq.num_computed_tokens = self._num_transferable_blocks(seq) * manager.block_size
+        seq.num_computed_tokens = seq.num_prompt_tokens - 1
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 

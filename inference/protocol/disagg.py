@@ -2,8 +2,9 @@
 
 A decode node that awaits a prompt's KV sends a `prefill` message to the prefill pool's queue
 (`prefill.<model>`, or a prefill node's own `prefill.<model>.<node>`): a `PrefillRequest`. The
-prefill node that takes it computes the KV of `token_ids`, writes the blocks from `first_block`
-on into the decode node's `block_ids` (where `kv` says its cache lies) before `deadline`, and
+prefill node that takes it computes the KV of `token_ids` (the prompt but its last token),
+writes the blocks from `first_block` on into the decode node's `block_ids` (of the last one only
+the slots of those tokens; `kv` says where the decode node's cache lies) before `deadline`, and
 answers with a `prefill_done` message on the decode node's control queue (`reply_queue`): a
 `PrefillDone`, which names the attempt's `epoch`, so that an answer to an earlier attempt changes
 nothing.
@@ -44,6 +45,7 @@ class PrefillDone:
     epoch: int
     prefill_node: str
     cached_tokens: int = 0  # what the prefill node's own cache held of the prompt
+    tokens: int = 0  # the prompt tokens whose KV it wrote
     blocks: int = 0
     bytes: int = 0
     transfer_s: float = 0.0

@@ -32,7 +32,7 @@ from tests.disagg.nodes import (
 )
 from tests.waiting import wait_for
 
-LONG = list(range(3, 203))  # 200 tokens: 12 full blocks, the 13th holds the last token
+LONG = list(range(3, 203))  # 200 tokens in 13 blocks: 12 full, the 13th holds the last 8
 
 
 @pytest.fixture
@@ -90,7 +90,9 @@ def test_split_requests_match_unified_mode_token_for_token_and_count_what_no_nod
         "long": request("long", LONG),
         "short": request("short", short),
         "n3": request(
-            "n3", LONG[:150] + [9] * 20, sampling={**request("x", [])["sampling"], "n": 3}
+            "n3",
+            list(range(250, 400)) + [9] * 20,
+            sampling={**request("x", [])["sampling"], "n": 3},
         ),
     }
     with running(decode, prefill):
@@ -201,7 +203,7 @@ def test_a_prefill_message_delivered_twice_writes_into_held_blocks_only_and_coun
             [result] = collect_results(broker, 1).values()
             wait_for(lambda: prefill.counters["requests"] == 2, timeout_s=10, what="both copies")
     assert (
-        decode.remote.stats()["requests"] == 1 and decode.remote.stats()["blocks_transferred"] == 12
+        decode.remote.stats()["requests"] == 1 and decode.remote.stats()["blocks_transferred"] == 13
     )
     assert_same_output(result, unified_results(tiny_llama_dir, [request("twice", LONG)])["twice"])
     wait_for_baseline(decode.engine, prefill.engine)
@@ -271,7 +273,7 @@ def test_an_abort_while_the_kv_is_on_its_way_holds_the_blocks_until_the_write_de
         )
         [result] = collect_results(broker, 1).values()
         held = decode.engine.block_manager.num_held_blocks
-    assert result["finish_reason"] == "abort" and held == 12
+    assert result["finish_reason"] == "abort" and held == 13
     # The prefill node now computes and writes it anyway: into the held blocks, and its
     # prefill_done changes nothing.
     enqueue(broker, request("next", list(range(300, 340)), prefill_to=None))

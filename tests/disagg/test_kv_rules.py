@@ -47,8 +47,8 @@ def test_a_remote_request_takes_its_whole_prompt_at_once_and_waits_for_blocks_an
     [kv] = decode.take_kv_requests()
     assert decode.scheduler.awaiting_kv["a"].status == SequenceStatus.AWAITING_KV
     assert decode.block_manager.num_free_blocks == 20 - 7
-    # It asks for the full blocks before the one holding the last prompt token.
-    assert kv.first_block == 0 and len(kv.block_ids) == 6 and kv.token_ids == prompt[:96]
+    # It asks for every prompt token but the last (computed here to sample from it).
+    assert kv.first_block == 0 and len(kv.block_ids) == 7 and kv.token_ids == prompt[:99]
     assert kv.epoch == 1 and kv.deadline > time.time()
     # 13 blocks free: a second such prompt (7 blocks) with max_tokens=200 (13 more) must wait.
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
@@ -66,9 +66,9 @@ def test_a_prefix_the_decode_node_holds_is_not_asked_for(tiny_llama_dir):
     decode.add_request("a", prompt, GREEDY, remote_prefill=True)
     decode.step()
     [kv] = decode.take_kv_requests()
-    assert kv.first_block == 4 and kv.cached_tokens == 64 and len(kv.block_ids) == 2
-    # Holding every transferable block, it prefills the rest itself.
-    decode.add_request("b", prompt[:70], GREEDY, remote_prefill=True, namespace="")
+    assert kv.first_block == 4 and kv.cached_tokens == 64 and len(kv.block_ids) == 3
+    # Holding every token but the last, it computes that one itself.
+    decode.add_request("b", prompt[:65], GREEDY, remote_prefill=True, namespace="")
     decode.step()
     assert decode.take_kv_requests() == [] and decode.num_awaiting_kv == 1  # only "a"
 
@@ -110,7 +110,7 @@ def test_held_blocks_are_never_handed_to_another_request_until_the_hold_ends(tin
     assert decode.abort("a")  # the client went away while its KV was on the way
     decode.step()
     held = set(kv.block_ids)
-    assert decode.block_manager.num_held_blocks == 6 and decode.block_manager.num_free_blocks == 6
+    assert decode.block_manager.num_held_blocks == 7 and decode.block_manager.num_free_blocks == 5
     # Another request that needs more than the free blocks waits rather than take held ones.
     decode.add_request("b", list(range(200, 300)), GREEDY)
     decode.step()
