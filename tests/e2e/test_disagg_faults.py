@@ -186,7 +186,11 @@ def test_a_decode_node_killed_while_it_awaits_kv_and_while_it_decodes_loses_noth
         )
         stack.processes["node-prefill-a"].send_signal(signal.SIGSTOP)
         later = submit(stack, acme_key, model, 6, first=400)
-        time.sleep(1)
+        # decode-a took them (their start notices recorded), and awaits their KV.
+        wait_for(
+            lambda: Job.objects.filter(id__in=later, status=Job.RUNNING).count() == len(later),
+            what="decode-a running the later jobs",
+        )
         stack.processes["node-decode-a"].send_signal(signal.SIGKILL)
         stack.processes["node-decode-a"].wait(timeout=10)
         stack.processes["node-prefill-a"].send_signal(signal.SIGCONT)
