@@ -28,7 +28,7 @@ from inference.engine.llm_engine import LLMEngine
 from inference.engine.sampling_params import SamplingParams
 from inference.errors import InvalidRequestError
 from inference.node.node import BROKER_DOWN
-from inference.node.state import QueueSender, engine_state
+from inference.node.state import Heartbeats, QueueSender, engine_state
 from inference.protocol.disagg import PrefillDone, PrefillRequest, disagg_counters
 from inference.protocol.messages import PREFILL_DONE_ACTOR, prefill_node_queue, prefill_queue
 
@@ -63,8 +63,7 @@ class PrefillNode:
         self.node_id = node_id
         self.broker = broker
         self.transfer = transfer
-        self.heartbeat = heartbeat
-        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeats = Heartbeats(heartbeat, node_id, heartbeat_interval_s)
         self.peers = KVPeers(transfer.region.layout)
         self.counters = disagg_counters()
         self.prefills: dict[str, _Prefill] = {}  # engine sequence id → its message
@@ -75,7 +74,6 @@ class PrefillNode:
         prefetch = engine.config.max_num_seqs
         self.consumers = [broker.consume(q, prefetch=prefetch, timeout=poll_ms) for q in queues]
         self.sender = QueueSender(broker)
-        self._last_heartbeat = 0.0
         self.draining = False
 
     # ---- admission ------------------------------------------------------------------------
@@ -209,16 +207,12 @@ class PrefillNode:
         )
 
     def beat(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if self.heartbeat is None or (
-            not force and now - self._last_heartbeat < self.heartbeat_interval_s
-        ):
-            return
-        self._last_heartbeat = now
+        self.heartbeats.beat(self._state, force)
+
+    def _state(self) -> dict[str, Any] | None:
         if self.draining:
-            self.heartbeat(self.node_id, None, self.heartbeat_interval_s * 3)
-            return
-        state = engine_state(
+            return None
+        return engine_state(
             self.node_id,
             self.model,
             "prefill",
@@ -229,7 +223,6 @@ class PrefillNode:
             kv_endpoint=self.transfer.region.endpoint,
             disagg=dict(self.counters),
         )
-        self.heartbeat(self.node_id, state, self.heartbeat_interval_s * 3)
 
     def drain(self) -> None:
         """Take nothing more; `run` returns once what it holds is written and answered."""
@@ -253,6 +246,5 @@ class PrefillNode:
                 stop.wait(BROKER_RETRY_S)
         for consumer in self.consumers:
             consumer.close()
-        if self.heartbeat is not None:
-            with contextlib.suppress(*BROKER_DOWN):
-                self.heartbeat(self.node_id, None, 0)
+        with contextlib.suppress(*BROKER_DOWN):
+            self.heartbeats.leave()

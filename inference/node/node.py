@@ -37,7 +37,7 @@ from inference.engine.llm_engine import LLMEngine
 from inference.engine.outputs import RequestOutput, Timings
 from inference.engine.sampling_params import SamplingParams
 from inference.errors import InvalidRequestError, RequestExpiredError
-from inference.node.state import engine_state
+from inference.node.state import Heartbeats, engine_state
 from inference.protocol.delta_publisher import DeltaPublisher
 from inference.protocol.disagg import disagg_counters
 from inference.protocol.keyed_messages import (
@@ -125,7 +125,6 @@ class Node:
         self.node_id = node_id
         self.broker = broker
         self.publisher = publisher
-        self.heartbeat = heartbeat
         self.role = role
         self.kv_layout = kv_layout_of(engine, model).as_dict()
         # Only a decode node asks prefill nodes for KV; a unified one prefills what it takes.
@@ -134,7 +133,7 @@ class Node:
             if kv is not None and role == "decode"
             else None
         )
-        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeats = Heartbeats(heartbeat, node_id, heartbeat_interval_s)
         self.inflight: dict[str, _InFlight] = {}
         self._full_until_step = False
         # Engine sequence id → its request and choice index (sequence_id).
@@ -157,7 +156,6 @@ class Node:
         broker.declare_queue(control_queue(model, node_id))
         self.control = broker.consume(control_queue(model, node_id), prefetch=16, timeout=0)
         self._last_control = 0.0
-        self._last_heartbeat = 0.0
         self.draining = False  # drain(): take nothing more, finish what runs, then return
         self._drain_started = False
         self._gave_back_at = 0.0
@@ -565,16 +563,12 @@ class Node:
     def beat(self, force: bool = False) -> None:
         """Publish load and cache state, at most every `heartbeat_interval_s`; while draining,
         only that the node is alive (the sweeper must not take its running requests away)."""
-        now = time.monotonic()
-        if self.heartbeat is None or (
-            not force and now - self._last_heartbeat < self.heartbeat_interval_s
-        ):
-            return
-        self._last_heartbeat = now
+        self.heartbeats.beat(self._state, force)
+
+    def _state(self) -> dict[str, Any] | None:
         if self.draining:
-            self.heartbeat(self.node_id, None, self.heartbeat_interval_s * 3)
-            return
-        state = engine_state(
+            return None
+        return engine_state(
             self.node_id,
             self.model,
             self.role,
@@ -583,7 +577,6 @@ class Node:
             kv_layout=self.kv_layout,
             disagg=self.remote.stats() if self.remote is not None else disagg_counters(),
         )
-        self.heartbeat(self.node_id, state, self.heartbeat_interval_s * 3)
 
     def run(self, stop: threading.Event) -> None:
         """Serve until `stop` is set, or after `drain()` until every request taken is reported
@@ -629,6 +622,5 @@ class Node:
             self._abort(request_id)
         for consumer in [*self.consumers, self.control]:
             consumer.close()
-        if self.heartbeat is not None:
-            with contextlib.suppress(*BROKER_DOWN):  # else its state expires with its TTL
-                self.heartbeat(self.node_id, None, 0)
+        with contextlib.suppress(*BROKER_DOWN):  # else its state expires with its TTL
+            self.heartbeats.leave()

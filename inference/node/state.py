@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import dramatiq
@@ -36,9 +37,33 @@ def engine_state(
     }
 
 
+class Heartbeats:
+    """A node's heartbeats to its sink (`HeartbeatSink`: node id, state, TTL), at most every
+    `interval_s` unless forced, each living three intervals. A state of None says the node is
+    alive but takes no work (draining); `leave` takes it out of the registry at once."""
+
+    def __init__(self, sink, node_id: str, interval_s: float) -> None:
+        self.sink = sink
+        self.node_id = node_id
+        self.interval_s = interval_s
+        self._last = 0.0
+
+    def beat(self, state: Callable[[], dict[str, Any] | None], force: bool = False) -> None:
+        """Send `state()` if a beat is due (it is only built then)."""
+        now = time.monotonic()
+        if self.sink is None or (not force and now - self._last < self.interval_s):
+            return
+        self._last = now
+        self.sink(self.node_id, state(), self.interval_s * 3)
+
+    def leave(self) -> None:
+        if self.sink is not None:
+            self.sink(self.node_id, None, 0)
+
+
 class QueueSender:
     """Sends one-argument messages to queues another node consumes, declaring each queue the
-    first time (the stub broker of embedded mode refuses an undeclared one)."""
+    first time (embedded mode's in-process broker refuses a queue it was not told of)."""
 
     def __init__(self, broker) -> None:
         self.broker = broker

@@ -118,18 +118,26 @@ def assert_blocks_back(stack, node_ids: list[str]) -> None:
     wait_for(back, timeout_s=40, what=f"{node_ids}' blocks all free")
 
 
-def logged(stack, name: str, text: str) -> bool:
-    return text in stack.output(name)
+def start_pair(stack, model: str, key: str) -> None:
+    """decode-a and prefill-a started, and both heartbeating."""
+    start(stack, model, "decode-a", "decode")
+    start(stack, model, "prefill-a", "prefill")
+    stack.wait_ready(model, nodes=2, api_key=key)
+    wait_for(lambda: {"decode-a", "prefill-a"} <= set(node_states(stack)), what="both heartbeats")
+
+
+def explain(stack) -> None:
+    """What a failed test prints: every process's log, the jobs' routes, the nodes' states."""
+    print(stack.outputs())
+    print(list(Job.objects.values_list("status", "route", "queue", "prefill_queue", "node")))
+    print(node_states(stack))
 
 
 def test_prefill_nodes_killed_mid_prefill_leave_every_job_to_another_prefill_node_or_the_decoder(
     split_stack, tiny_model, tiny_llama_dir, acme_key
 ):
     stack, model = split_stack, tiny_model.id
-    start(stack, model, "decode-a", "decode")
-    start(stack, model, "prefill-a", "prefill")
-    stack.wait_ready(model, nodes=2, api_key=acme_key)
-    wait_for(lambda: len(node_states(stack)) >= 2, what="both heartbeats")
+    start_pair(stack, model, acme_key)
     try:
         # prefill-a is stalled (as by a long step), then killed while it holds prompts; prefill-b
         # is up. Both hold nothing and report no load: the gateway sends every first attempt to
@@ -160,9 +168,7 @@ def test_prefill_nodes_killed_mid_prefill_leave_every_job_to_another_prefill_nod
         assert_completed_once_with_unified_tokens(stack, tiny_llama_dir, more)
         assert_blocks_back(stack, ["decode-a", "prefill-c"])
     except Exception:
-        print(stack.outputs())
-        print(list(Job.objects.values_list("status", "route", "queue", "prefill_queue", "node")))
-        print(node_states(stack))
+        explain(stack)
         raise
 
 
@@ -170,10 +176,7 @@ def test_a_decode_node_killed_while_it_awaits_kv_and_while_it_decodes_loses_noth
     split_stack, tiny_model, tiny_llama_dir, acme_key
 ):
     stack, model = split_stack, tiny_model.id
-    start(stack, model, "decode-a", "decode")
-    start(stack, model, "prefill-a", "prefill")
-    stack.wait_ready(model, nodes=2, api_key=acme_key)
-    wait_for(lambda: len(node_states(stack)) >= 2, what="both heartbeats")
+    start_pair(stack, model, acme_key)
     try:
         # decode-a decodes: short chats (not split) generating 200 tokens, and split prompts
         # whose KV it has; then prefill-a stalls, so the split prompts sent next await their KV
@@ -205,7 +208,5 @@ def test_a_decode_node_killed_while_it_awaits_kv_and_while_it_decodes_loses_noth
         # decode-b's prompts were prefilled again.
         assert_blocks_back(stack, ["decode-b", "prefill-a"])
     except Exception:
-        print(stack.outputs())
-        print(list(Job.objects.values_list("status", "route", "queue", "prefill_queue", "node")))
-        print(node_states(stack))
+        explain(stack)
         raise
