@@ -178,6 +178,13 @@ def test_a_node_killed_mid_generation_loses_nothing(stack, tiny_model, acme_key,
         wait_for(lambda: start_notice_sent(stack), what="node-a starting a request")
         stack.processes["node-node-a"].send_signal(signal.SIGKILL)
         stack.processes["node-node-a"].wait(timeout=10)
+        # node-b starts once the worker has recorded node-a's starts: a start notice recorded
+        # after its job completed elsewhere is late, not a run, and is not counted.
+        wait_for(
+            lambda: Job.objects.filter(id__in=job_ids, node="node-a").exists(),
+            timeout_s=120,
+            what="the worker recording node-a's start",
+        )
         stack.start_node(tiny_model.id, "node-b", threads=1)
         wait_until_completed(job_ids)
     except Exception:
