@@ -6,20 +6,22 @@ On a CUDA device it first measures the ceilings:
 - `matmul_tflop_s`: an 8192³ bf16 matmul.
 
 Then, for each kernel at realistic sizes, its time, the achieved GB/s (memory-bound kernels:
-norms, rotary, activations, the KV store, decode attention) or TFLOP/s (extend attention, fused
-MoE), the fraction of the matching ceiling, and its speed relative to the PyTorch reference (and
-to SDPA over an already-gathered contiguous K/V, for attention). Targets (issue 4, H200):
-memory-bound kernels ≥ 70 % of the copy bandwidth, extend attention ≥ 40 % and fused MoE ≥ 35 %
-of the matmul rate, every kernel faster than its reference. The last line of stdout is one JSON
-object, also written to bench/results/kernels.json.
+norms, rotary, activations, the KV store, decode attention, MLA decode) or TFLOP/s (extend
+attention, fused MoE), the fraction of the matching ceiling, and its speed relative to the
+PyTorch reference (and to SDPA over an already-gathered contiguous K/V, for attention). Targets
+(issue 4, H200): memory-bound kernels ≥ 70 % of the copy bandwidth, extend attention ≥ 40 % and
+fused MoE ≥ 35 % of the matmul rate, every kernel faster than its reference. The last line of
+stdout is one JSON object, also written to bench/results/kernels.json.
 
     .venv/bin/python bench/kernels.py            # on a CUDA machine
     .venv/bin/python bench/kernels.py --smoke    # tiny sizes on the CPU under Triton's
                                                  # interpreter: checks the script, not speed
 
 Decode attention uses batch 64, 32 query heads, 8 KV heads, head dim 128, blocks of 16 and
-contexts of 1k to 32k; extend attention 8 sequences of 2k new tokens over 4k cached; fused MoE 64
-experts, top-8, 4k tokens (hidden 2048, expert width 1408, DeepSeek-V2-Lite's shapes).
+contexts of 1k to 32k; MLA decode (DeepSeek-V3's absorbed form) batch 64, 16 heads (one rank
+of eight), a 512 + 64 latent row per token, the same contexts; extend attention 8 sequences of
+2k new tokens over 4k cached; fused MoE 64 experts, top-8, 4k tokens (hidden 2048, expert width
+1408, DeepSeek-V2-Lite's shapes).
 """
 
 from __future__ import annotations
@@ -52,10 +54,16 @@ from kernels.activation import (  # noqa: E402
     silu_and_mul_torch,
     silu_and_mul_triton,
 )
-from kernels.attention import store_kvcache_torch, store_kvcache_triton  # noqa: E402
+from kernels.attention import (  # noqa: E402
+    build_paged_attention_batch,
+    store_kvcache_torch,
+    store_kvcache_triton,
+)
 from kernels.decode_attention import decode_attention_torch, decode_attention_triton  # noqa: E402
 from kernels.extend_attention import extend_attention_torch, extend_attention_triton  # noqa: E402
-from kernels.fused_moe import fused_moe_torch, fused_moe_triton, select_experts  # noqa: E402
+from kernels.fused_moe import fused_moe_torch, fused_moe_triton  # noqa: E402
+from kernels.mla_attention import mla_decode_torch, mla_decode_triton  # noqa: E402
+from kernels.moe_router import select_experts_torch as select_experts  # noqa: E402
 from kernels.rms_norm import rms_norm_torch, rms_norm_triton  # noqa: E402
 from kernels.rotary import rotary_torch, rotary_triton  # noqa: E402
 
@@ -265,6 +273,48 @@ def bench_decode_attention(bench: Bench) -> None:
         del k_cache, v_cache, k, v
 
 
+def bench_mla_decode(bench: Bench) -> None:
+    device, smoke = bench.device, bench.smoke
+    batch, heads, latent_dim, rope_dim, block_size = 64, 16, 512, 64, 16
+    contexts = [1024, 4096, 16384, 32768]
+    if smoke:
+        batch, heads, latent_dim, rope_dim, contexts = 2, 4, 32, 8, [40]
+    row = latent_dim + rope_dim
+    scale = (128 + rope_dim) ** -0.5  # DeepSeek-V3 scales by its decompressed q/k head dim
+    for context in contexts:
+        blocks_per_seq = triton.cdiv(context, block_size)
+        cache = torch.randn(batch * blocks_per_seq, block_size, row, dtype=torch.bfloat16,
+                            device=device)  # fmt: skip
+        tables = torch.randperm(batch * blocks_per_seq).view(batch, blocks_per_seq).tolist()
+        step = build_paged_attention_batch(tables, [1] * batch, [context] * batch, block_size,
+                                           device)  # fmt: skip
+        step.kernel_batch()  # built once per step and shared by every layer: not timed
+        q_latent = torch.randn(batch, heads, latent_dim, dtype=torch.bfloat16, device=device)
+        q_rope = torch.randn(batch, heads, rope_dim, dtype=torch.bfloat16, device=device)
+        out = torch.empty_like(q_latent)
+        # SDPA over a contiguous gathered copy: heads as the query rows of one shared KV head.
+        rows = cache.view(-1, row)[step.decode_slots.view(-1)].view(batch, 1, context, row)
+        q4 = torch.cat([q_latent, q_rope], dim=-1).unsqueeze(1)
+        # Each latent row is read once, ideally (its head blocks share it through L2).
+        moved = batch * context * row * 2 + 2 * q_latent.numel() * 2 + q_rope.numel() * 2
+        reference = None
+        if context <= 4096 or smoke:
+
+            def reference(ql=q_latent, qr=q_rope, cache=cache, step=step):
+                return mla_decode_torch(ql, qr, cache, step, scale)
+
+        bench.add(
+            "mla_decode", f"B{batch} H{heads} R{latent_dim}+{rope_dim} ctx{context}",
+            lambda ql=q_latent, qr=q_rope, c=cache, s=step, o=out: mla_decode_triton(
+                ql, qr, c, s, scale, out=o),
+            reference,
+            sdpa=lambda q4=q4, rows=rows: F.scaled_dot_product_attention(
+                q4, rows, rows[..., :latent_dim], scale=scale),
+            bytes_moved=moved, target=0.70,
+        )  # fmt: skip
+        del cache, rows, step
+
+
 def bench_extend_attention(bench: Bench) -> None:
     device, smoke = bench.device, bench.smoke
     batch, new, prefix, heads, kv_heads, head_dim, block_size = 8, 2048, 4096, 32, 8, 128, 16
@@ -370,6 +420,7 @@ def main() -> int:
         bench.measure_ceilings()
         bench_elementwise(bench)
         bench_decode_attention(bench)
+        bench_mla_decode(bench)
         bench_extend_attention(bench)
         bench_fused_moe(bench)
     summary = report(bench)

@@ -9,7 +9,8 @@ redelivered result settles nothing and counts nothing).
 Per node, from the live heartbeats at scrape time: the live nodes of each model and role, and each
 node's disaggregation counters (`disagg` in its heartbeat: what it prefilled, transferred and
 reused, counted since it started, so a restart starts them again, as Prometheus's `rate` expects
-of a counter). A node whose heartbeat has none (one older than disaggregation) reports none.
+of a counter). A node whose heartbeat has none (one older than disaggregation) reports none. An
+MoE model's node also reports the tokens it routed to each expert (`expert_tokens`).
 
 The worker counts and every gateway process answers scrapes, so a process's own counter would
 hold only part of the total. In production the counters are a Redis hash per model,
@@ -181,6 +182,18 @@ class NodesCollector(Collector):
                     labels = (node.get("model", ""), node["id"], node_role(node))
                     family.add_metric(labels, float(counters[field]))
             yield family
+        experts = CounterMetricFamily(
+            "hearth_node_expert_tokens_total",
+            "MoE models: tokens the node routed to each expert, summed over its sparse layers, "
+            "since it started (the load balance).",
+            labels=("model", "node", "expert"),
+        )
+        for node in nodes:
+            counts = node.get("expert_tokens")
+            if isinstance(counts, list):
+                for expert, count in enumerate(counts):
+                    experts.add_metric((node.get("model", ""), node["id"], str(expert)), count)
+        yield experts
 
 
 # Hearth's own registry, not prometheus_client's default one: that one also carries this

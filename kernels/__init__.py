@@ -23,8 +23,17 @@ from kernels.attention import (
     store_kvcache_torch,
     store_kvcache_triton,
 )
-from kernels.fused_moe import fused_moe_torch, fused_moe_triton, select_experts
+from kernels.fused_moe import fused_moe_torch, fused_moe_triton
 from kernels.linear import Int4Weight, linear_torch, pack_linear_weight
+from kernels.mla_attention import (
+    mla_decode_torch,
+    mla_decode_triton,
+    mla_prefill_torch,
+    mla_prefill_triton,
+    store_latent_torch,
+    store_latent_triton,
+)
+from kernels.moe_router import select_experts_torch, select_experts_triton
 from kernels.rms_norm import rms_norm_torch, rms_norm_triton
 from kernels.rotary import build_cos_sin_cache, rotary_cos_sin, rotary_torch, rotary_triton
 
@@ -38,6 +47,8 @@ __all__ = [
     "fused_moe",
     "gelu_and_mul",
     "linear",
+    "mla_decode",
+    "mla_prefill",
     "pack_linear_weight",
     "rms_norm",
     "rotary",
@@ -45,6 +56,7 @@ __all__ = [
     "select_experts",
     "silu_and_mul",
     "store_kvcache",
+    "store_latent",
 ]
 
 RMS_NORM = dispatch.Op("rms_norm", rms_norm_torch, rms_norm_triton)
@@ -54,7 +66,11 @@ GELU_AND_MUL = dispatch.Op("gelu_and_mul", gelu_and_mul_torch, gelu_and_mul_trit
 LINEAR = dispatch.Op("linear", linear_torch)
 STORE_KVCACHE = dispatch.Op("store_kvcache", store_kvcache_torch, store_kvcache_triton)
 ATTENTION = dispatch.Op("attention", paged_attention_torch, paged_attention_triton)
+SELECT_EXPERTS = dispatch.Op("select_experts", select_experts_torch, select_experts_triton)
 FUSED_MOE = dispatch.Op("fused_moe", fused_moe_torch, fused_moe_triton)
+STORE_LATENT = dispatch.Op("store_latent", store_latent_torch, store_latent_triton)
+MLA_DECODE = dispatch.Op("mla_decode", mla_decode_torch, mla_decode_triton)
+MLA_PREFILL = dispatch.Op("mla_prefill", mla_prefill_torch, mla_prefill_triton)
 
 
 def rms_norm(
@@ -117,6 +133,31 @@ def attention(
     return fn(query, key, value, k_cache, v_cache, batch, scale)
 
 
+def select_experts(
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    scoring: str = "softmax",
+    correction_bias: torch.Tensor | None = None,
+    num_expert_group: int | None = None,
+    topk_group: int | None = None,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's top-k experts and their weights from its router logits. See
+    `kernels.moe_router`."""
+    fn = dispatch.select(SELECT_EXPERTS, router_logits)
+    return fn(
+        router_logits,
+        top_k,
+        renormalize,
+        scoring,
+        correction_bias,
+        num_expert_group,
+        topk_group,
+        routed_scaling_factor,
+    )
+
+
 def fused_moe(
     hidden_states: torch.Tensor,
     w13: torch.Tensor,
@@ -128,3 +169,37 @@ def fused_moe(
     """Mixture-of-experts MLP over the experts `select_experts` chose. See `kernels.fused_moe`."""
     fn = dispatch.select(FUSED_MOE, hidden_states)
     return fn(hidden_states, w13, w2, topk_weights, topk_ids, activation)
+
+
+def store_latent(
+    latent: torch.Tensor, rope_key: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write MLA's per-token [latent | rope key] rows into the latent cache. See
+    `kernels.mla_attention`."""
+    dispatch.select(STORE_LATENT, latent)(latent, rope_key, cache, slot_mapping)
+
+
+def mla_decode(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    cache: torch.Tensor,
+    batch: PagedAttentionBatch,
+    scale: float,
+) -> torch.Tensor:
+    """Absorbed-form MLA attention of the step's decoding sequences over the latent cache. See
+    `kernels.mla_attention`."""
+    return dispatch.select(MLA_DECODE, q_latent)(q_latent, q_rope, cache, batch, scale)
+
+
+def mla_prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    key_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of the step's prefills over their decompressed contexts. See
+    `kernels.mla_attention`."""
+    fn = dispatch.select(MLA_PREFILL, query)
+    return fn(query, key, value, query_start_loc, key_start_loc, scale)

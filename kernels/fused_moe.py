@@ -1,7 +1,7 @@
 """Mixture-of-experts MLP: top-k routing, then each token's gated MLP on its chosen experts.
 
-`select_experts` turns router logits into (weights, expert ids) per token. `fused_moe_torch`
-and `fused_moe_triton` then compute, for every token t,
+`kernels.moe_router` turns router logits into (weights, expert ids) per token.
+`fused_moe_torch` and `fused_moe_triton` then compute, for every token t,
 
     out[t] = Σ_k topk_weights[t, k] · w2[e] @ act(w13[e] @ x[t]),   e = topk_ids[t, k]
 
@@ -25,8 +25,8 @@ interpreter (`TRITON_INTERPRET=1`), low-precision arithmetic and `tl.dot` are co
 without error, so the kernel casts tiles to fp32 first (`COMPUTE_FP32`); fp32 inputs use an
 IEEE fp32 dot everywhere, matching torch's default of no TF32.
 
-`select_experts` and `moe_align_block_size` are plain PyTorch on every device: routing is
-[T, E] elementwise work, tiny beside the expert GEMMs, and both avoid host syncs on CUDA.
+`moe_align_block_size` is plain PyTorch on every device: a sort and a scatter over the
+T*top_k pairs, tiny beside the expert GEMMs, written to avoid host syncs on CUDA.
 """
 
 from __future__ import annotations
@@ -42,92 +42,6 @@ from kernels.activation import ACTIVATIONS, activate
 
 # The gated activations a MoE expert may use (codes from kernels.activation).
 _MOE_ACTIVATIONS = ("silu", "gelu")
-
-
-def select_experts(
-    router_logits: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    scoring: str = "softmax",
-    correction_bias: torch.Tensor | None = None,
-    num_expert_group: int | None = None,
-    topk_group: int | None = None,
-    routed_scaling_factor: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k routing of each token to experts; plain PyTorch, shared by both MoE paths.
-
-    `router_logits` [T, E] are scored in float32 by `scoring` ("softmax" over the experts, as
-    Mixtral and Qwen2-MoE do, or "sigmoid" per expert, as DeepSeek-V3 does). `correction_bias`
-    [E] is added to the scores only to *choose* experts; the weights are the unbiased scores
-    (DeepSeek-V3's aux-loss-free balancing). With `num_expert_group`, experts are split into
-    that many equal groups, only the best `topk_group` groups stay eligible, and the top_k are
-    chosen among their experts. A group's score is the sum of its two best biased scores when
-    `correction_bias` is given (DeepSeek-V3, "noaux_tc") and its best score otherwise
-    (DeepSeek-V2, "group_limited_greedy"), as Hugging Face and vLLM do.
-
-    `renormalize` rescales each token's k weights to sum to 1 (Mixtral always; Qwen2-MoE's and
-    DeepSeek's `norm_topk_prob`). The weights are then multiplied by `routed_scaling_factor`.
-
-    Returns (topk_weights float32 [T, top_k], topk_ids int32 [T, top_k]), each row ordered by
-    descending choice score.
-    """
-    num_experts = router_logits.shape[-1]
-    if not 0 < top_k <= num_experts:
-        raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
-    logits = router_logits.float()
-    if scoring == "softmax":
-        scores = torch.softmax(logits, dim=-1)
-    elif scoring == "sigmoid":
-        scores = logits.sigmoid()
-    else:
-        raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
-
-    choice_scores = scores if correction_bias is None else scores + correction_bias.float()
-    if num_expert_group is not None:
-        choice_scores = _mask_to_best_groups(
-            choice_scores,
-            num_expert_group,
-            topk_group,
-            top_k,
-            use_top2_sum=correction_bias is not None,
-        )
-
-    topk_ids = choice_scores.topk(top_k, dim=-1).indices
-    topk_weights = scores.gather(1, topk_ids)
-    if renormalize:
-        # The 1e-20 only guards against all-underflowed sigmoid scores (0/0); added to a sum of
-        # k probabilities it leaves the float32 result bit-identical to Hugging Face's.
-        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
-    if routed_scaling_factor != 1.0:
-        topk_weights = topk_weights * routed_scaling_factor
-    return topk_weights, topk_ids.to(torch.int32)
-
-
-def _mask_to_best_groups(
-    choice_scores: torch.Tensor,
-    num_expert_group: int,
-    topk_group: int | None,
-    top_k: int,
-    use_top2_sum: bool,
-) -> torch.Tensor:
-    """Set the choice score of experts outside each token's best `topk_group` groups to -inf."""
-    num_tokens, num_experts = choice_scores.shape
-    if topk_group is None or not 0 < topk_group <= num_expert_group:
-        raise ValueError(f"topk_group must be in [1, {num_expert_group}], got {topk_group}")
-    if num_experts % num_expert_group:
-        raise ValueError(f"{num_experts} experts do not split into {num_expert_group} groups")
-    experts_per_group = num_experts // num_expert_group
-    if top_k > topk_group * experts_per_group:
-        raise ValueError(f"top_k={top_k} exceeds the {topk_group * experts_per_group} eligible")
-    grouped = choice_scores.view(num_tokens, num_expert_group, experts_per_group)
-    if use_top2_sum:
-        group_scores = grouped.topk(min(2, experts_per_group), dim=-1).values.sum(dim=-1)
-    else:
-        group_scores = grouped.amax(dim=-1)
-    kept_groups = group_scores.topk(topk_group, dim=-1).indices
-    group_kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
-    expert_kept = group_kept.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
-    return choice_scores.masked_fill(~expert_kept, float("-inf"))
 
 
 def _check_moe_shapes(

@@ -21,6 +21,7 @@ class KVLayout:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    kinds: int = 2  # keys and values; 1 for MLA's latent cache
 
     @property
     def element_bytes(self) -> int:
@@ -28,7 +29,7 @@ class KVLayout:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block of one layer's keys (or values)."""
+        """Bytes of one block of one layer's keys (or values, or latents)."""
         return self.block_size * self.num_kv_heads * self.head_dim * self.element_bytes
 
     def as_dict(self) -> dict[str, Any]:
@@ -36,7 +37,8 @@ class KVLayout:
 
     @classmethod
     def from_dict(cls, value: dict[str, Any]) -> KVLayout:
-        return cls(**{name: value[name] for name in cls.__dataclass_fields__})
+        fields = cls.__dataclass_fields__
+        return cls(**{name: value[name] for name in fields if name in value or name != "kinds"})
 
     def mismatch(self, other: KVLayout) -> str | None:
         """None when blocks can move between the two caches, else the fields that differ."""
@@ -86,9 +88,9 @@ class KVRegion:
         )
 
     def offset(self, layer: int, kind: int, block: int) -> int:
-        """Address of block `block` of `layer`'s keys (kind 0) or values (kind 1)
-        (inference.engine.kv_cache lays the buffer out)."""
-        index = (layer * 2 + kind) * self.num_blocks + block
+        """Address of block `block` of `layer`'s keys (kind 0) or values (kind 1), or latents
+        (MLA's one kind) (inference.engine.kv_cache lays the buffer out)."""
+        index = (layer * self.layout.kinds + kind) * self.num_blocks + block
         return self.base + index * self.layout.block_bytes
 
 
@@ -119,11 +121,13 @@ class KVPeers:
 def kv_layout_of(engine, model: str) -> KVLayout:
     """The layout of `engine`'s cache serving `model` (an LLMEngine)."""
     config = engine.model_config
+    kinds, heads, dim = config.kv_cache_shape
     return KVLayout(
         model=model,
         dtype={"bf16": "bfloat16", "fp32": "float32"}.get(engine.config.dtype, engine.config.dtype),
         block_size=engine.config.block_size,
         num_layers=config.num_layers,
-        num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim,
+        num_kv_heads=heads,
+        head_dim=dim,
+        kinds=kinds,
     )

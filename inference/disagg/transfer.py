@@ -86,13 +86,13 @@ class KVTransfer:
             full_src, full_dst = src[:-1], dst[:-1]
         for src_start, dst_start, length in contiguous_runs(full_src, full_dst):
             for layer in range(layout.num_layers):
-                for kind in (0, 1):
+                for kind in range(layout.kinds):
                     ours.append(self.region.offset(layer, kind, src_start))
                     theirs.append(peer.offset(layer, kind, dst_start))
                     lengths.append(length * block_bytes)
         if full_src is not src:
             for layer in range(layout.num_layers):
-                for kind in (0, 1):
+                for kind in range(layout.kinds):
                     ours.append(self.region.offset(layer, kind, src[-1]))
                     theirs.append(peer.offset(layer, kind, dst[-1]))
                     lengths.append(last_tokens * block_bytes // layout.block_size)

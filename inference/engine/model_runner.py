@@ -13,7 +13,7 @@ from inference.engine.outputs import TokenLogprob
 from inference.engine.sampler import sample
 from inference.engine.scheduler import ScheduledSequence
 from inference.engine.sequence import Sequence
-from inference.models.llama import ForwardBatch, LlamaModel
+from inference.models.decoder import DecoderModel, ForwardBatch
 from inference.models.loader import load_weights
 from inference.models.model_config import ModelConfig
 from inference.structured.grammar import GrammarCompiler
@@ -34,7 +34,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.device = torch.device(config.device)
         with torch.inference_mode():
-            self.model = LlamaModel(model_config, config.torch_dtype, max_model_len)
+            self.model = DecoderModel(model_config, config.torch_dtype, max_model_len)
             load_weights(self.model, directory)
             self.model.pack_weights(config.quantization)
         self.kv_buffer = allocate_kv_buffer(

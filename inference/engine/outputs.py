@@ -88,3 +88,7 @@ class EngineStats:
     num_held_blocks: int = 0
     num_kv_timeouts: int = 0
     num_kv_fallbacks: int = 0
+    # MoE models: tokens routed to each expert, summed over the sparse layers, since the engine
+    # started and in its last step (the load balance); None for dense models.
+    expert_tokens: list[int] | None = None
+    last_step_expert_tokens: list[int] | None = None

@@ -1,4 +1,4 @@
-"""Find a model, convert it once if needed, and load its weights into a `LlamaModel`.
+"""Find a model, convert it once if needed, and load its weights into a `DecoderModel`.
 
 Sources: a local Hugging Face directory (config.json + *.safetensors + tokenizer files), a GGUF
 file (read through transformers' GGUF loader, then cached as a Hugging Face directory of float32
@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -22,11 +23,18 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from inference.errors import ModelLoadError
-from inference.models.llama import LlamaModel
+from inference.models.checkpoint import Checkpoint
+from inference.models.decoder import DecoderModel
+from inference.models.quantization import dequantize_checkpoint
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_MODEL_ALIASES = {"smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}
-GGUF_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
+# The GGUF architectures transformers' GGUF reader converts for the families the engine runs.
+# DeepSeek-V3/Kimi K2 files (`deepseek2`) it cannot read; Mixtral files are `llama` with experts,
+# which it would read as a dense Llama with a random MLP, so `gguf_to_hf_directory` refuses them.
+GGUF_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe"}
 
 
 def default_cache_dir() -> Path:
@@ -71,19 +79,40 @@ def resolve_model_directory(model: str, cache_dir: Path | None = None) -> Path:
 
 def gguf_architecture(path: Path) -> str:
     """The `general.architecture` field of a GGUF file."""
+    return _gguf_fields(path, "general.architecture")[0]
+
+
+def _gguf_fields(path: Path, *names: str) -> list:
+    """The values of the named metadata fields of a GGUF file (None where absent)."""
     from gguf import GGUFReader
 
     try:
         reader = GGUFReader(str(path))
-        field = reader.fields["general.architecture"]
+        fields = [reader.fields.get(name) for name in names]
     except Exception as exc:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
-    return bytes(field.parts[field.data[0]]).decode()
+    if fields[0] is None:
+        raise ModelLoadError(f"{path} is not a readable GGUF file: no {names[0]}")
+    values = []
+    for field in fields:
+        if field is None:
+            values.append(None)
+        elif field.types and field.types[0].name == "STRING":
+            values.append(bytes(field.parts[field.data[0]]).decode())
+        else:
+            values.append(field.parts[field.data[0]].tolist()[0])
+    return values
 
 
 def gguf_to_hf_directory(path: Path, cache_dir: Path | None = None) -> Path:
     """Convert a GGUF file to a cached Hugging Face directory (once per file version)."""
     architecture = gguf_architecture(path)
+    [_, experts] = _gguf_fields(path, "general.architecture", f"{architecture}.expert_count")
+    if architecture in ("llama", "mistral") and experts:
+        raise ModelLoadError(
+            f"{path} is a {architecture} GGUF with {experts} experts (Mixtral's layout), which "
+            "transformers' GGUF reader cannot convert; serve the model's Hugging Face directory"
+        )
     if architecture not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
             f"GGUF architecture {architecture!r} is not supported; "
@@ -132,46 +161,57 @@ def gguf_to_hf_directory(path: Path, cache_dir: Path | None = None) -> Path:
     return target
 
 
-def load_weights(model: LlamaModel, directory: Path) -> None:
-    """Copy the safetensors weights of `directory` into `model`, fusing q|k|v and gate|up."""
+def load_weights(model: DecoderModel, directory: Path) -> None:
+    """Copy the safetensors weights of `directory` into `model`: quantized checkpoints (FP8
+    block-wise, compressed-tensors INT4) dequantized to the model's dtype, a multimodal
+    checkpoint's language model taken and its vision tower left out (logged; image input is
+    refused by the API), and any weight the model did not ask for reported."""
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(directory.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                tensors[name.removeprefix("model.")] = f.get_tensor(name).to(model.dtype)
-
-    def take(name: str) -> torch.Tensor:
-        try:
-            return tensors.pop(name)
-        except KeyError:
-            raise ModelLoadError(f"weight {name!r} missing from {directory}") from None
-
-    model.embed_tokens.copy_(take("embed_tokens.weight"))
-    model.norm.copy_(take("norm.weight"))
-    if not model.config.tie_word_embeddings:
-        model.lm_head.copy_(take("lm_head.weight"))
-    else:
-        tensors.pop("lm_head.weight", None)
-    for index, layer in enumerate(model.layers):
-        prefix = f"layers.{index}."
-        attn, mlp = prefix + "self_attn.", prefix + "mlp."
-        layer.input_norm.copy_(take(prefix + "input_layernorm.weight"))
-        layer.post_attention_norm.copy_(take(prefix + "post_attention_layernorm.weight"))
-        layer.qkv_proj.copy_(
-            torch.cat([take(f"{attn}{p}_proj.weight") for p in ("q", "k", "v")], dim=0)
+                tensors[_text_model_name(name)] = f.get_tensor(name)
+    config = json.loads((directory / "config.json").read_text())
+    quantization = config.get("quantization_config") or config.get("text_config", {}).get(
+        "quantization_config"
+    )
+    tensors = dequantize_checkpoint(tensors, quantization, model.dtype)
+    checkpoint = Checkpoint(
+        {
+            name: tensor.to(model.dtype) if tensor.is_floating_point() else tensor
+            for name, tensor in tensors.items()
+        },
+        directory,
+    )
+    vision = [name for prefix in _VISION_PREFIXES for name in checkpoint.discard(prefix)]
+    if vision:
+        logger.warning(
+            "%s: %d vision-tower weights not loaded; the engine serves the text model only",
+            directory,
+            len(vision),
         )
-        if layer.qkv_bias is not None:
-            layer.qkv_bias.copy_(
-                torch.cat([take(f"{attn}{p}_proj.bias") for p in ("q", "k", "v")], dim=0)
-            )
-        if layer.q_norm is not None:
-            layer.q_norm.copy_(take(attn + "q_norm.weight"))
-            layer.k_norm.copy_(take(attn + "k_norm.weight"))
-        layer.o_proj.copy_(take(attn + "o_proj.weight"))
-        layer.gate_up_proj.copy_(
-            torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")], dim=0)
-        )
-        layer.down_proj.copy_(take(mlp + "down_proj.weight"))
-    unused = [name for name in tensors if "rotary_emb" not in name]
+    # DeepSeek-V3's multi-token-prediction layers (past num_hidden_layers) are for speculative
+    # decoding, which the engine does not do.
+    if model.config.mla is not None:
+        checkpoint.discard(f"layers.{model.config.num_layers}.")
+    model.load(checkpoint)
+    unused = checkpoint.unused()
     if unused:
         raise ModelLoadError(f"unexpected weights in {directory}: {unused[:5]}")
+
+
+# Kimi K2.5 (original and Hugging Face-saved names) holds its language model under a prefix.
+_TEXT_MODEL_PREFIXES = (
+    ("language_model.model.", ""),
+    ("model.language_model.", ""),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.", ""),
+)
+_VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+
+
+def _text_model_name(name: str) -> str:
+    for prefix, replacement in _TEXT_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix) :]
+    return name

@@ -31,6 +31,7 @@ def engine_state(
         "max_num_seqs": engine.config.max_num_seqs,
         "awaiting_kv": stats.num_awaiting_kv,
         "held_blocks": stats.num_held_blocks,
+        **({"expert_tokens": stats.expert_tokens} if stats.expert_tokens is not None else {}),
         **extra,
         "cached_prefix_digest": encode_prefix_digest(engine.cached_block_hashes(DIGEST_MAX_BLOCKS)),
         "at": time.time(),

@@ -5,15 +5,18 @@ from __future__ import annotations
 import json
 import uuid
 
+import dramatiq
 import pytest
 import redis
 from django.conf import settings
 
 from controlplane.accounts.management.commands.demo import DEMO_PRICES
 from controlplane.accounts.models import ApiKey, Org
+from controlplane.catalog import registry
 from controlplane.catalog.models import Price, ServedModel
 from controlplane.catalog.registry import RedisRouteState
 from controlplane.dispatch.group_commit import stop_writer
+from inference.protocol.heartbeat import MemoryHeartbeat
 
 
 def priced_model(model_id: str, source: str, context_length: int) -> ServedModel:
@@ -99,3 +102,14 @@ def redis_state():
     yield RedisRouteState(client, prefix)
     for key in client.scan_iter(match=prefix + "*"):
         client.delete(key)
+
+
+@pytest.fixture
+def live(settings):
+    """A MemoryHeartbeat the registry reads (no registry cache: each test changes it)."""
+    settings.NODE_REGISTRY_TTL_S = 0
+    heartbeat = MemoryHeartbeat()
+    registry.use_memory_heartbeat(heartbeat)
+    yield heartbeat
+    registry.use_memory_heartbeat(None)
+    dramatiq.get_broker().flush_all()

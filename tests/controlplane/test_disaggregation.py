@@ -16,7 +16,6 @@ from django.core.management.base import CommandError
 from django.db import connections
 from prometheus_client import parser
 
-from controlplane.catalog import registry
 from controlplane.catalog.management.commands.runnode import Command as RunNode
 from controlplane.catalog.management.commands.runnode import node_argv
 from controlplane.catalog.registry import DECODE, PREFILL, UNIFIED, MemoryRouteState
@@ -262,17 +261,6 @@ def broker_messages(queue: str) -> list[dict]:
         consumer.ack(message)
     consumer.close()
     return found
-
-
-@pytest.fixture
-def live(settings):
-    """A MemoryHeartbeat the registry reads (no registry cache: each test changes it)."""
-    settings.NODE_REGISTRY_TTL_S = 0
-    heartbeat = MemoryHeartbeat()
-    registry.use_memory_heartbeat(heartbeat)
-    yield heartbeat
-    registry.use_memory_heartbeat(None)
-    dramatiq.get_broker().flush_all()
 
 
 def beat(heartbeat: MemoryHeartbeat, state: dict, model: str = "tiny") -> None:

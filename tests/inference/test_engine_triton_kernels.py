@@ -1,6 +1,8 @@
 """The engine on its Triton kernels (`HEARTH_KERNELS=triton`, run by Triton's interpreter on the
-CPU) produces the same greedy tokens as on the PyTorch references, with prefix caching and
-chunked prefill on, so decode, extend-over-a-cached-prefix and plain prefill all run."""
+CPU) produces the same greedy tokens as on the PyTorch references (which give transformers'
+tokens: test_oracle_tiny.py, test_oracle_moe.py), for dense, sparse and MLA families, with prefix
+caching and chunked prefill on, so decode, extend-over-a-cached-prefix and plain prefill all run
+(and for MoE families the router and fused-MoE kernels, for MLA its store, decode and prefill)."""
 
 from __future__ import annotations
 
@@ -49,7 +51,9 @@ def agent_rounds(vocab_size: int) -> list[list[list[int]]]:
     return [first, second]
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+@pytest.mark.parametrize(
+    "architecture", ["llama", "qwen3", "mixtral", "qwen2-moe", "deepseek-v3", "deepseek-v3-qlora"]
+)
 def test_triton_kernels_give_the_reference_paths_greedy_tokens(tmp_path, architecture):
     model_dir = build_tiny_model(tmp_path / architecture, architecture)
     llm = LLM(str(model_dir), **OPTIONS)

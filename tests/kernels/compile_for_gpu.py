@@ -31,10 +31,12 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 from kernels.activation import gelu_and_mul_triton, silu_and_mul_triton
-from kernels.attention import store_kvcache_triton
+from kernels.attention import build_paged_attention_batch, store_kvcache_triton
 from kernels.decode_attention import decode_attention_triton
 from kernels.extend_attention import extend_attention_triton
-from kernels.fused_moe import fused_moe_triton, select_experts
+from kernels.fused_moe import fused_moe_triton
+from kernels.mla_attention import mla_decode_triton, mla_prefill_triton, store_latent_triton
+from kernels.moe_router import select_experts_torch, select_experts_triton
 from kernels.rms_norm import rms_norm_triton
 from kernels.rotary import rotary_triton
 
@@ -131,6 +133,46 @@ def run_case(name: str, call) -> None:
     call()
 
 
+def mla_cases() -> None:
+    """DeepSeek-V3's MLA: kv_lora_rank 512, rope dim 64, 128 heads; prefill heads of
+    128 + 64 query/key dims and 128 value dims, 16 of them (one rank of eight)."""
+    bf16 = torch.bfloat16
+    latent_rows = torch.randn(64, 1536 + 576, dtype=bf16)  # fused q_a | kv_a projection
+    cache = torch.randn(256, 16, 576, dtype=bf16)
+    run_case(
+        "store_latent",
+        lambda: store_latent_triton(
+            latent_rows[:, 1536:2048], latent_rows[:, 2048:], cache, torch.arange(64)
+        ),
+    )
+    batch = build_paged_attention_batch(
+        [list(range(row * 64, row * 64 + 63)) for row in range(4)], [1] * 4, [1000] * 4, 16
+    )
+    run_case(
+        "mla_decode_h128",
+        lambda: mla_decode_triton(
+            torch.randn(4, 128, 512, dtype=bf16),
+            torch.randn(4, 128, 64, dtype=bf16),
+            cache,
+            batch,
+            192**-0.5,
+        ),
+    )
+    query_starts = torch.tensor([0, 300, 600, 900, 1200], dtype=torch.int32)
+    key_starts = torch.tensor([0, 800, 1600, 2400, 3200], dtype=torch.int32)
+    run_case(
+        "mla_prefill_h16",
+        lambda: mla_prefill_triton(
+            torch.randn(1200, 16, 192, dtype=bf16),
+            torch.randn(3200, 16, 192, dtype=bf16),
+            torch.randn(3200, 16, 128, dtype=bf16),
+            query_starts,
+            key_starts,
+            192**-0.5,
+        ),
+    )
+
+
 def main() -> int:
     bf16 = torch.bfloat16
     torch.manual_seed(0)
@@ -175,15 +217,31 @@ def main() -> int:
                 d**-0.5,
             ),
         )
+    mla_cases()
     for tokens in (4096, 16):  # many tokens per expert, and few (the small-tile config)
         hidden = torch.randn(tokens, 2048, dtype=bf16)
         w13 = torch.randn(64, 2 * 1408, 2048, dtype=bf16)
         w2 = torch.randn(64, 2048, 1408, dtype=bf16)
-        weights, ids = select_experts(torch.randn(tokens, 64), 8, renormalize=True)
+        weights, ids = select_experts_torch(torch.randn(tokens, 64), 8, renormalize=True)
         run_case(
             f"fused_moe_t{tokens}",
             lambda h=hidden, w13=w13, w2=w2, w=weights, i=ids: fused_moe_triton(h, w13, w2, w, i),
         )
+    # DeepSeek-V3's router: 256 experts in 8 groups, the best 4 kept, top 8.
+    router_logits = torch.randn(64, 256, dtype=bf16)
+    run_case(
+        "select_experts_deepseek_v3",
+        lambda: select_experts_triton(
+            router_logits,
+            8,
+            renormalize=True,
+            scoring="sigmoid",
+            correction_bias=torch.randn(256),
+            num_expert_group=8,
+            topk_group=4,
+            routed_scaling_factor=2.5,
+        ),
+    )
 
     failures = 0
     for case, fn, arguments, options, _ in launches:

@@ -18,6 +18,7 @@ KERNELS = {
     "store_kvcache",
     "decode_attention",
     "extend_attention",
+    "mla_decode",
     "fused_moe",
 }
 

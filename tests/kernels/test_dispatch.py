@@ -57,6 +57,10 @@ def test_every_engine_op_goes_through_dispatch_with_a_triton_kernel():
         "store_kvcache": kernels.STORE_KVCACHE,
         "attention": kernels.ATTENTION,
         "fused_moe": kernels.FUSED_MOE,
+        "select_experts": kernels.SELECT_EXPERTS,
+        "store_latent": kernels.STORE_LATENT,
+        "mla_decode": kernels.MLA_DECODE,
+        "mla_prefill": kernels.MLA_PREFILL,
     }
     assert set(ops) <= set(kernels.__all__)
     for name, op in ops.items():

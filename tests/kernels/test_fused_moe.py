@@ -25,12 +25,8 @@ from transformers.models.mixtral.modeling_mixtral import (
 )
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
 
-from kernels.fused_moe import (
-    fused_moe_torch,
-    fused_moe_triton,
-    moe_align_block_size,
-    select_experts,
-)
+from kernels.fused_moe import fused_moe_torch, fused_moe_triton, moe_align_block_size
+from kernels.moe_router import select_experts_torch as select_experts
 
 # Maximum error relative to the output's largest magnitude, by dtype (worst of 900 random runs
 # in brackets). float32 differs from float64 by rounding only (5e-7). bfloat16 keeps 8 bits of

@@ -20,6 +20,18 @@ KERNELS = {
     "_decode_merge_kernel",
     "_extend_kernel",
     "_grouped_gemm_kernel",
+    "_store_latent_kernel",
+    "_select_experts_kernel",
+    "_mla_decode_split_kernel",
+    "_mla_decode_merge_kernel",
+    "_mla_prefill_kernel",
+}
+# The attention kernels, whose bf16 tiles feed `tl.dot` directly on a GPU.
+DOT_KERNELS = {
+    "_decode_split_kernel",
+    "_extend_kernel",
+    "_mla_decode_split_kernel",
+    "_mla_prefill_kernel",
 }
 
 
@@ -39,5 +51,6 @@ def test_every_kernel_compiles_for_sm90_and_fits_its_shared_memory():
     assert result.returncode == 0 and not problems, (problems, result.stderr[-3000:])
     assert {r["kernel"] for r in reports} == KERNELS
     # The bf16 launches were compiled for the GPU branch, not the interpreter's float32 one.
-    attention = [r for r in reports if r["kernel"] in ("_decode_split_kernel", "_extend_kernel")]
-    assert attention and all(r["constexprs"]["COMPUTE_FP32"] is False for r in attention)
+    attention = [r for r in reports if r["kernel"] in DOT_KERNELS]
+    assert {r["kernel"] for r in attention} == DOT_KERNELS
+    assert all(r["constexprs"]["COMPUTE_FP32"] is False for r in attention)
