@@ -6,8 +6,9 @@ its vocabulary; nothing is downloaded): Multi-head Latent Attention with a LoRA'
 dense layer first, then sparse layers of grouped sigmoid routing (with a random correction
 bias) over 32 routed experts, 6 per token, and a shared expert; YaRN rope. `--config small` (the
 default) has about 370 M parameters, `--config smoke` is a tiny one for a quick check. The
-engine and HF both run in `--dtype` (bfloat16 by default) with one torch thread per core, on
-the same random prompts (`--prompt-tokens`, default 128), greedy, `--new-tokens` each (64), and
+engine and HF both run in `--dtype` (bfloat16 where the CPU runs it natively, else float32) with
+one torch thread per core, on the same random prompts (`--prompt-tokens`, default 1024),
+greedy, `--new-tokens` each (64), and
 it measures, as generated tokens per wall-clock second (prefill included), after a warm-up:
 
 - `engine_c1_tok_s` / `hf_c1_tok_s`: the first prompts one at a time;
@@ -148,7 +149,9 @@ CONFIGS = {
             n_group=4,
             topk_group=2,
         ),
-        prompt_tokens=128,
+        # An agent-sized prompt (the workload Hearth serves); `--prompt-tokens 128` is the short
+        # case docs/performance.md records beside it.
+        prompt_tokens=1024,
         new_tokens=64,
         c1_prompts=3,
         profile_steps=8,
@@ -453,8 +456,11 @@ def profile_decode_steps(llm: LLM, prompts: list[list[int]], steps: int) -> dict
     model = engine.runner.model
     sparse_layers = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
     # One token from prefill, the warm-up and measured steps, and one more so that no measured
-    # step also finishes the requests.
-    max_tokens = 1 + WARMUP_DECODE_STEPS + 2 * steps + 1
+    # step also finishes the requests; plus a token per step the prefills may take (chunked,
+    # a prompt prefilled early decodes while the others are still prefilling).
+    budget = engine.config.max_num_batched_tokens
+    prefill_steps = -(-sum(len(prompt) for prompt in prompts) // budget) + len(prompts)
+    max_tokens = 1 + WARMUP_DECODE_STEPS + 2 * steps + 1 + prefill_steps
     for index, prompt in enumerate(prompts):
         engine.add_request(f"profile-{index}", prompt, greedy(max_tokens), namespace="profile")
     prefilled: set[str] = set()
@@ -554,10 +560,22 @@ def print_rows(rows: list[tuple[str, ...]]) -> None:
             print("  ".join("-" * width for width in widths))
 
 
+def native_dtype() -> str:
+    """bfloat16 on a CPU whose oneDNN runs it natively; float32 elsewhere, where bf16 matrix
+    products fall back to a path several times slower than float32's (an AVX2-only CPU)."""
+    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return "bfloat16" if native else "float32"
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small", help="model size")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=native_dtype(),
+        help="default: bfloat16 where oneDNN runs bf16 natively (AVX-512 BF16/AMX), else float32",
+    )
     parser.add_argument("--prompt-tokens", type=int, help="prompt length (default: the config's)")
     parser.add_argument("--new-tokens", type=int, help="tokens generated per prompt")
     parser.add_argument("--seed", type=int, default=0, help="weights and prompts")

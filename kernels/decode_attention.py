@@ -7,12 +7,12 @@ from `k_cache`/`v_cache` of shape [num_blocks, block_size, num_kv_heads, head_di
 Decode is bound by memory bandwidth: every cached K/V byte is read once per step and used for a
 handful of multiply-adds. The Triton kernel is shaped around that:
 
-- Split-KV (flash-decoding). A batch of a few sequences gives too few (batch, head) programs to
-  occupy a GPU, so stage 1 also splits each context into `num_splits` contiguous ranges, one
-  program each, over a grid (batch, kv_head, split). Every program keeps an online softmax over
-  its range and writes a partial output (normalised by its own softmax sum) and the range's
-  log-sum-exp. Stage 2, grid (batch, q_head), merges the splits: weighting each partial by
-  exp(lse_split - lse_total) gives exactly the softmax over the whole context.
+- Split-KV (flash-decoding, `split_kv`). A batch of a few sequences gives too few (batch, head)
+  programs to occupy a GPU, so stage 1 also splits each context into `num_splits` contiguous
+  ranges, one program each, over a grid (batch, kv_head, split). Every program keeps an online
+  softmax over its range and writes a partial output (normalised by its own softmax sum) and the
+  range's log-sum-exp. Stage 2, grid (batch, q_head), merges the splits: weighting each partial
+  by exp(lse_split - lse_total) gives exactly the softmax over the whole context.
   Splits that start past a short sequence's end write nothing and are skipped by the merge.
 - K/V read once per GQA group. One stage-1 program serves all the query heads that share a KV
   head: their queries form the rows of one small matrix (padded to 16 rows so `tl.dot` is legal
@@ -27,25 +27,18 @@ inputs; on CUDA, bf16/fp16 K/V feed `tl.dot` directly with float32 accumulation.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.split_kv import empty_partials, merge_splits, split_plan, store_partial
+
 # Tokens per stage-1 iteration: 4 pages of 16, enough bytes in flight per load on a GPU.
 _BLOCK_N = 64
 # Query-head rows per program are padded to this, the smallest M of a tensor-core `tl.dot`.
 _MIN_HEAD_ROWS = 16
-_MAX_SPLITS = 64
-# Stage-1 programs to aim for, per streaming multiprocessor: several resident per SM hide memory
-# latency, and several waves keep the last, partly filled wave a small part of the time (with 64
-# sequences x 8 KV heads, one split would be 512 programs: 1.3 waves on an H200 if 3 fit per
-# SM). Partials are small and stay in L2, so extra splits cost little. The CPU interpreter
-# assumes an H200 (132 SMs) to exercise the same plan.
-_PROGRAMS_PER_SM = 8
-_ASSUMED_SM_COUNT = 132
 
 
 def decode_attention_torch(
@@ -152,6 +145,9 @@ def _decode_split_kernel(
         k = tl.load(k_cache_ptr + k_rows[None, :] + offs_d[:, None], mask=kv_mask, other=0.0)
         scores = tl.dot(q, k.to(dot_dtype), input_precision="ieee") * scale_log2
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
+        # `online_softmax.fold_scores` written out, so that V is loaded only after the weights:
+        # loaded before them, its tile costs shared memory beside K's (36 KiB, not 22, on sm_90)
+        # or more spilled registers.
         # Every tile holds at least one valid token, so m_new is finite and nothing is NaN.
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -167,71 +163,29 @@ def _decode_split_kernel(
         )
         m_i = m_new
 
-    # Partials are [B, Hq, num_splits, D] and [B, Hq, num_splits], contiguous.
-    split_rows = (seq64 * num_heads + heads) * num_splits + split
-    tl.store(
-        partial_out_ptr + split_rows[:, None] * HEAD_DIM + offs_d[None, :],
-        acc / l_i[:, None],
-        mask=head_mask[:, None] & d_mask[None, :],
+    store_partial(
+        partial_out_ptr,
+        partial_lse_ptr,
+        acc,
+        m_i,
+        l_i,
+        seq64,
+        heads,
+        head_mask,
+        split,
+        num_heads,
+        num_splits,
+        offs_d,
+        d_mask,
+        HEAD_DIM,
     )
-    tl.store(partial_lse_ptr + split_rows, m_i + tl.log2(l_i), mask=head_mask)
-
-
-@triton.jit
-def _decode_merge_kernel(
-    partial_out_ptr,
-    partial_lse_ptr,
-    context_lens_ptr,
-    out_ptr,
-    num_heads,
-    num_splits,
-    split_len,
-    stride_ob,
-    stride_oh,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    context_len = tl.load(context_lens_ptr + seq)
-    # Splits past this sequence's end were never written: their lse is -inf, weight 0.
-    offs_s = tl.arange(0, BLOCK_S)
-    s_mask = offs_s < tl.cdiv(context_len, split_len)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    split_rows = (seq.to(tl.int64) * num_heads + head) * num_splits + offs_s
-    lse = tl.load(partial_lse_ptr + split_rows, mask=s_mask, other=float("-inf"))
-    weights = tl.exp2(lse - tl.max(lse, 0))
-    partial = tl.load(
-        partial_out_ptr + split_rows[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-    merged = tl.sum(weights[:, None] * partial, 0) / tl.sum(weights, 0)
-    tl.store(
-        out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + offs_d,
-        merged.to(out_ptr.dtype.element_ty),
-        mask=d_mask,
-    )
-
-
-@functools.lru_cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _ASSUMED_SM_COUNT
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _split_plan(
     batch: int, num_kv_heads: int, max_context: int, device: torch.device
 ) -> tuple[int, int]:
-    """(num_splits, split_len): enough stage-1 programs to fill the GPU, whole tiles per split."""
-    max_tiles = triton.cdiv(max_context, _BLOCK_N)
-    wanted = triton.cdiv(_PROGRAMS_PER_SM * _sm_count(device), batch * num_kv_heads)
-    num_splits = max(1, min(wanted, max_tiles, _MAX_SPLITS))
-    tiles_per_split = triton.cdiv(max_tiles, num_splits)
-    return triton.cdiv(max_tiles, tiles_per_split), tiles_per_split * _BLOCK_N
+    """(num_splits, split_len) of stage 1, whose programs each serve one KV head."""
+    return split_plan(batch * num_kv_heads, max_context, _BLOCK_N, device)
 
 
 def decode_attention_triton(
@@ -265,13 +219,7 @@ def decode_attention_triton(
     num_splits, split_len = _split_plan(
         batch, num_kv_heads, block_tables.shape[1] * page_size, query.device
     )
-    partial_out = torch.empty(
-        (batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
-    )
-    partial_lse = torch.empty(
-        (batch, num_heads, num_splits), dtype=torch.float32, device=query.device
-    )
-    block_d = triton.next_power_of_2(head_dim)
+    partial_out, partial_lse = empty_partials(batch, num_heads, num_splits, head_dim, query.device)
     compute_fp32 = not query.is_cuda or query.dtype == torch.float32
 
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
@@ -299,25 +247,12 @@ def decode_attention_triton(
         GROUP=group,
         PAGE_SIZE=page_size,
         BLOCK_H=max(_MIN_HEAD_ROWS, triton.next_power_of_2(group)),
-        BLOCK_D=block_d,
+        BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=_BLOCK_N,
         COMPUTE_FP32=compute_fp32,
         num_warps=4,
         num_stages=2,
     )
-    _decode_merge_kernel[(batch, num_heads)](
-        partial_out,
-        partial_lse,
-        context_lens,
-        out,
-        num_heads,
-        num_splits,
-        split_len,
-        out.stride(0),
-        out.stride(1),
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_S=triton.next_power_of_2(num_splits),
-        num_warps=4,
-    )
+    # A [splits, D] float32 tile fits in registers: every split's row is summed at once.
+    merge_splits(partial_out, partial_lse, context_lens, split_len, out, num_splits)
     return out

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.online_softmax import fold_key_tile
+
 
 def extend_attention_torch(
     query: torch.Tensor,
@@ -77,25 +79,6 @@ def extend_attention_torch(
         attended = torch.einsum("kgql,lkd->qkgd", scores.softmax(-1), values.to(compute_dtype))
         out[start:end] = attended.reshape(query_len, num_heads, head_dim).to(out.dtype)
     return out
-
-
-@triton.jit
-def _online_softmax_step(q, k, v, mask, m_i, l_i, acc, scale_log2, dot_dtype: tl.constexpr):
-    """Fold one key tile (k as [D, N], v as [N, D]) into the running max, sum and accumulator.
-
-    `mask` is None for tiles that every query row sees entirely.
-    """
-    scores = tl.dot(q, k.to(dot_dtype), input_precision="ieee") * scale_log2
-    if mask is not None:
-        scores = tl.where(mask, scores, float("-inf"))
-    # A row's first tile always holds a key it sees (a prefix token, or new token 0), so m_i is
-    # finite from then on; a later tile hiding every key from it adds p = 0, never NaN.
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v.to(dot_dtype), input_precision="ieee")
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -193,6 +176,8 @@ def _extend_kernel(
         other=0.0,
     ).to(dot_dtype)
 
+    # A row's first tile always holds a key it sees (a prefix token, or new token 0), as the
+    # online softmax needs.
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -218,7 +203,7 @@ def _extend_kernel(
             stride_vct,
             PAGE_SIZE,
         )
-        m_i, l_i, acc = _online_softmax_step(q, k, v, None, m_i, l_i, acc, scale_log2, dot_dtype)
+        m_i, l_i, acc = fold_key_tile(q, k, v, None, m_i, l_i, acc, scale_log2, dot_dtype)
     if full_prefix_end < prefix_len:
         positions = full_prefix_end + offs_n
         n_mask = positions < prefix_len
@@ -236,7 +221,7 @@ def _extend_kernel(
             stride_vct,
             PAGE_SIZE,
         )
-        m_i, l_i, acc = _online_softmax_step(
+        m_i, l_i, acc = fold_key_tile(
             q, k, v, n_mask[None, :], m_i, l_i, acc, scale_log2, dot_dtype
         )
 
@@ -254,7 +239,7 @@ def _extend_kernel(
             mask=d_mask[None, :],
             other=0.0,
         )
-        m_i, l_i, acc = _online_softmax_step(q, k, v, None, m_i, l_i, acc, scale_log2, dot_dtype)
+        m_i, l_i, acc = fold_key_tile(q, k, v, None, m_i, l_i, acc, scale_log2, dot_dtype)
 
     # The diagonal block: causal mask, and keys past the sequence's end are outside its rows.
     for start in range(tile_start, tl.minimum(tile_start + BLOCK_M, query_len), BLOCK_N):
@@ -272,7 +257,7 @@ def _extend_kernel(
             other=0.0,
         )
         causal = (key_index[None, :] <= offs_m[:, None]) & n_mask[None, :]
-        m_i, l_i, acc = _online_softmax_step(q, k, v, causal, m_i, l_i, acc, scale_log2, dot_dtype)
+        m_i, l_i, acc = fold_key_tile(q, k, v, causal, m_i, l_i, acc, scale_log2, dot_dtype)
 
     tl.store(
         out_ptr + query_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],

@@ -23,12 +23,13 @@ Cache slots outside a context may hold any finite values; every kernel masks the
 
 The Triton kernels:
 
-- `_mla_decode_split_kernel` is split-KV flash-decoding, as in `decode_attention`: stage 1 keeps
-  an online softmax over one contiguous range of a context and writes a normalised partial and
-  its log-sum-exp; `_mla_decode_merge_kernel` weighs the partials into the exact softmax. All
-  heads read the same cache row, so a program serves a block of 16 heads with `tl.dot` (16 is a
-  tensor core's smallest M). The head blocks of one (sequence, split) are the fastest grid axis:
-  they run side by side and read the same tiles, so all but the first read hit L2.
+- `_mla_decode_split_kernel` is stage 1 of split-KV flash-decoding (`split_kv`), as in
+  `decode_attention`: it keeps an online softmax over one contiguous range of a context and
+  writes a normalised partial and its log-sum-exp; `split_kv.merge_splits` weighs the partials
+  into the exact softmax. All heads read the same cache row, so a program serves a block of 16
+  heads with `tl.dot` (16 is a tensor core's smallest M). The head blocks of one (sequence,
+  split) are the fastest grid axis: they run side by side and read the same tiles, so all but
+  the first read hit L2.
 - R and P need not be powers of two: the latent and rope parts are loaded with separate masked
   ranges (512 and 64 in DeepSeek-V3, so nothing is padded there).
 - `_mla_prefill_kernel` is a FlashAttention-2 forward pass over packed segments, one launch for
@@ -51,16 +52,14 @@ import triton
 import triton.language as tl
 
 from kernels.attention import PagedAttentionBatch
-from kernels.decode_attention import _sm_count
+from kernels.online_softmax import fold_scores
+from kernels.split_kv import empty_partials, merge_splits, split_plan, store_partial
 
 # Smallest M, N and K of a tensor-core `tl.dot`: head blocks and head-dim parts are padded to it.
 _MIN_DOT = 16
 # Tokens per decode tile: a [32, 576] bf16 tile is 36 KiB, two pipeline stages fit with room.
 _DECODE_BLOCK_N = 32
 _DECODE_BLOCK_H = 16
-_MAX_SPLITS = 64
-# Stage-1 programs to aim for per SM, as in `decode_attention` (several resident hide latency).
-_PROGRAMS_PER_SM = 8
 
 
 def store_latent_torch(
@@ -248,77 +247,32 @@ def _mla_decode_split_kernel(
         scores = tl.dot(q_latent, tl.trans(latent), input_precision="ieee")
         scores += tl.dot(q_rope, rope_key, input_precision="ieee")
         scores = tl.where(n_mask[None, :], scores * scale_log2, float("-inf"))
-        # Every tile holds at least one valid token, so m_new is finite and nothing is NaN.
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), latent, input_precision="ieee")
-        m_i = m_new
+        # Every tile holds at least one valid token, so m_i stays finite and nothing is NaN.
+        m_i, l_i, acc = fold_scores(scores, latent, m_i, l_i, acc, dot_dtype)
 
-    # Partials are [N, H, num_splits, R] and [N, H, num_splits], contiguous.
-    split_rows = (seq64 * num_heads + heads) * num_splits + split
-    tl.store(
-        partial_out_ptr + split_rows[:, None] * LATENT_DIM + offs_r[None, :],
-        acc / l_i[:, None],
-        mask=head_mask[:, None] & r_mask[None, :],
-    )
-    tl.store(partial_lse_ptr + split_rows, m_i + tl.log2(l_i), mask=head_mask)
-
-
-@triton.jit
-def _mla_decode_merge_kernel(
-    partial_out_ptr,
-    partial_lse_ptr,
-    context_lens_ptr,
-    out_ptr,
-    num_heads,
-    num_splits,
-    split_len,
-    stride_ob,
-    stride_oh,
-    LATENT_DIM: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    context_len = tl.load(context_lens_ptr + seq)
-    # Only the splits that start inside the context were written.
-    written = tl.cdiv(context_len, split_len)
-    offs_s = tl.arange(0, BLOCK_S)
-    first_split = (seq.to(tl.int64) * num_heads + head) * num_splits
-    lse = tl.load(
-        partial_lse_ptr + first_split + offs_s, mask=offs_s < written, other=-float("inf")
-    )
-    lse_max = tl.max(lse, 0)
-    weight_sum = tl.sum(tl.exp2(lse - lse_max), 0)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < LATENT_DIM
-    # One split's row at a time: a [splits, 512] float32 tile would not fit in registers.
-    merged = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for split in range(0, written):
-        weight = tl.exp2(tl.load(partial_lse_ptr + first_split + split) - lse_max)
-        partial = tl.load(
-            partial_out_ptr + (first_split + split) * LATENT_DIM + offs_r, mask=r_mask, other=0.0
-        )
-        merged += weight * partial
-    tl.store(
-        out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + offs_r,
-        (merged / weight_sum).to(out_ptr.dtype.element_ty),
-        mask=r_mask,
+    store_partial(
+        partial_out_ptr,
+        partial_lse_ptr,
+        acc,
+        m_i,
+        l_i,
+        seq64,
+        heads,
+        head_mask,
+        split,
+        num_heads,
+        num_splits,
+        offs_r,
+        r_mask,
+        LATENT_DIM,
     )
 
 
 def _mla_split_plan(
     num_seqs: int, head_blocks: int, max_context: int, device: torch.device
 ) -> tuple[int, int]:
-    """(num_splits, split_len): enough stage-1 programs to fill the GPU, whole tiles per split."""
-    max_tiles = triton.cdiv(max_context, _DECODE_BLOCK_N)
-    wanted = triton.cdiv(_PROGRAMS_PER_SM * _sm_count(device), num_seqs * head_blocks)
-    num_splits = max(1, min(wanted, max_tiles, _MAX_SPLITS))
-    tiles_per_split = triton.cdiv(max_tiles, num_splits)
-    return triton.cdiv(max_tiles, tiles_per_split), tiles_per_split * _DECODE_BLOCK_N
+    """(num_splits, split_len) of stage 1, whose programs each serve one block of heads."""
+    return split_plan(num_seqs * head_blocks, max_context, _DECODE_BLOCK_N, device)
 
 
 def _dot_block(dim: int) -> int:
@@ -358,13 +312,9 @@ def mla_decode_triton(
     num_splits, split_len = _mla_split_plan(
         num_seqs, head_blocks, block_tables.shape[1] * page_size, q_latent.device
     )
-    partial_out = torch.empty(
-        (num_seqs, num_heads, num_splits, latent_dim), dtype=torch.float32, device=out.device
+    partial_out, partial_lse = empty_partials(
+        num_seqs, num_heads, num_splits, latent_dim, out.device
     )
-    partial_lse = torch.empty(
-        (num_seqs, num_heads, num_splits), dtype=torch.float32, device=out.device
-    )
-    block_r = _dot_block(latent_dim)
     compute_fp32 = not q_latent.is_cuda or q_latent.dtype == torch.float32
 
     _mla_decode_split_kernel[(head_blocks, num_seqs, num_splits)](
@@ -388,28 +338,15 @@ def mla_decode_triton(
         ROPE_DIM=rope_dim,
         PAGE_SIZE=page_size,
         BLOCK_H=_DECODE_BLOCK_H,
-        BLOCK_R=block_r,
+        BLOCK_R=_dot_block(latent_dim),
         BLOCK_P=_dot_block(rope_dim),
         BLOCK_N=_DECODE_BLOCK_N,
         COMPUTE_FP32=compute_fp32,
         num_warps=4,
         num_stages=2,
     )
-    _mla_decode_merge_kernel[(num_seqs, num_heads)](
-        partial_out,
-        partial_lse,
-        context_lens,
-        out,
-        num_heads,
-        num_splits,
-        split_len,
-        out.stride(0),
-        out.stride(1),
-        LATENT_DIM=latent_dim,
-        BLOCK_R=block_r,
-        BLOCK_S=triton.next_power_of_2(num_splits),
-        num_warps=4,
-    )
+    # One split's row at a time: a [splits, 512] float32 tile would not fit in registers.
+    merge_splits(partial_out, partial_lse, context_lens, split_len, out, 1)
     return out
 
 
@@ -451,19 +388,35 @@ def mla_prefill_torch(
 
 
 @triton.jit
-def _key_tile_scores(
+def _attend_key_tile(
     q,
     q_tail,
     key_head_ptr,
+    value_head_ptr,
     key_rows,
     n_mask,
+    prefix_len,
+    offs_m,
+    offs_v,
+    v_mask,
+    m_i,
+    l_i,
+    acc,
+    scale_log2,
     stride_kt,
+    stride_vt,
     QK_DIM: tl.constexpr,
     BLOCK_QK: tl.constexpr,
     BLOCK_QK_TAIL: tl.constexpr,
+    CAUSAL: tl.constexpr,
     dot_dtype: tl.constexpr,
 ):
-    """Q·Kᵀ of one key tile (unscaled), K read transposed in the same two parts as Q."""
+    """Fold the keys and values at `key_rows` into the query tile's running softmax.
+
+    With CAUSAL, query row `offs_m` (after `prefix_len` keys) sees the keys within `n_mask` up
+    to its own position; without, every row sees the whole tile, so its values load unmasked.
+    """
+    # Q·Kᵀ, unscaled, with K read transposed in the same two parts as Q.
     offs_d = tl.arange(0, BLOCK_QK)
     k = tl.load(
         key_head_ptr + key_rows[None, :] * stride_kt + offs_d[:, None],
@@ -479,20 +432,15 @@ def _key_tile_scores(
             other=0.0,
         )
         scores += tl.dot(q_tail, k_tail.to(dot_dtype), input_precision="ieee")
-    return scores
-
-
-@triton.jit
-def _fold_key_tile(scores, v, m_i, l_i, acc, dot_dtype: tl.constexpr):
-    """Fold one tile's log2-scaled scores and values [N, Dv] into the running softmax."""
-    # A row's first tile always holds a key it sees (key 0), so m_i is finite from then on; a
-    # later tile hiding every key from it adds p = 0, never NaN.
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v.to(dot_dtype), input_precision="ieee")
-    return m_new, l_i, acc
+    value_tile_ptr = value_head_ptr + key_rows[:, None] * stride_vt + offs_v[None, :]
+    if CAUSAL:
+        v = tl.load(value_tile_ptr, mask=n_mask[:, None] & v_mask[None, :], other=0.0)
+        visible = (key_rows[None, :] <= prefix_len + offs_m[:, None]) & n_mask[None, :]
+        scores = tl.where(visible, scores * scale_log2, float("-inf"))
+    else:
+        v = tl.load(value_tile_ptr, mask=v_mask[None, :], other=0.0)
+        scores = scores * scale_log2
+    return fold_scores(scores, v, m_i, l_i, acc, dot_dtype)
 
 
 @triton.jit
@@ -558,6 +506,7 @@ def _mla_prefill_kernel(
     key_head_ptr = key_ptr + key_start.to(tl.int64) * stride_kt + head * stride_kh
     value_head_ptr = value_ptr + key_start.to(tl.int64) * stride_vt + head * stride_vh
 
+    # Every row sees key 0, so its first tile holds a key it sees, as the online softmax needs.
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_V], dtype=tl.float32)
@@ -566,51 +515,57 @@ def _mla_prefill_kernel(
     seen_by_all = prefix_len + tile_start
     for start in range(0, seen_by_all // BLOCK_N * BLOCK_N, BLOCK_N):
         key_rows = start + offs_n
-        n_mask = key_rows < seen_by_all
-        scores = _key_tile_scores(
+        m_i, l_i, acc = _attend_key_tile(
             q,
             q_tail,
             key_head_ptr,
+            value_head_ptr,
             key_rows,
-            n_mask,
+            key_rows < seen_by_all,
+            prefix_len,
+            offs_m,
+            offs_v,
+            v_mask,
+            m_i,
+            l_i,
+            acc,
+            scale_log2,
             stride_kt,
+            stride_vt,
             QK_DIM,
             BLOCK_QK,
             BLOCK_QK_TAIL,
+            False,
             dot_dtype,
         )
-        v = tl.load(
-            value_head_ptr + key_rows[:, None] * stride_vt + offs_v[None, :],
-            mask=v_mask[None, :],
-            other=0.0,
-        )
-        m_i, l_i, acc = _fold_key_tile(scores * scale_log2, v, m_i, l_i, acc, dot_dtype)
 
     # The rest, up to the tile's last query position: the causal mask.
     seen_by_last = prefix_len + tl.minimum(tile_start + BLOCK_M, query_len)
     for start in range(seen_by_all // BLOCK_N * BLOCK_N, seen_by_last, BLOCK_N):
         key_rows = start + offs_n
-        n_mask = key_rows < seen_by_last
-        scores = _key_tile_scores(
+        m_i, l_i, acc = _attend_key_tile(
             q,
             q_tail,
             key_head_ptr,
+            value_head_ptr,
             key_rows,
-            n_mask,
+            key_rows < seen_by_last,
+            prefix_len,
+            offs_m,
+            offs_v,
+            v_mask,
+            m_i,
+            l_i,
+            acc,
+            scale_log2,
             stride_kt,
+            stride_vt,
             QK_DIM,
             BLOCK_QK,
             BLOCK_QK_TAIL,
+            True,
             dot_dtype,
         )
-        v = tl.load(
-            value_head_ptr + key_rows[:, None] * stride_vt + offs_v[None, :],
-            mask=n_mask[:, None] & v_mask[None, :],
-            other=0.0,
-        )
-        visible = (key_rows[None, :] <= prefix_len + offs_m[:, None]) & n_mask[None, :]
-        scores = tl.where(visible, scores * scale_log2, float("-inf"))
-        m_i, l_i, acc = _fold_key_tile(scores, v, m_i, l_i, acc, dot_dtype)
 
     tl.store(
         out_ptr + query_rows[:, None] * stride_ot + head * stride_oh + offs_v[None, :],

@@ -15,6 +15,7 @@ from inference.disagg.transfer import KVTransfer
 from inference.engine import EngineConfig, LLMEngine, SamplingParams
 from inference.engine.tokenizer import Tokenizer
 from inference.models.loader import resolve_model_directory
+from tests.disagg.split_engines import generate_split
 
 pytestmark = pytest.mark.smollm2
 
@@ -59,21 +60,5 @@ def test_split_prefill_decodes_smollm2_to_the_unified_tokens():
     theirs = KVTransfer(decode.runner.kv_buffer, kv_layout_of(decode, "smollm2"))
     for request_id, prompt in prompts.items():
         unified = generate(make_engine(), {request_id: prompt})[request_id]
-        decode.add_request(request_id, prompt, GREEDY, remote_prefill=True)
-        decode.step()
-        [kv] = decode.take_kv_requests()
-        assert kv.token_ids == prompt[:-1]
-        prefill.add_request(request_id, kv.token_ids, prefill_only=True)
-        while prefill.has_unfinished_requests():
-            for output in prefill.step():
-                assert output.finish_reason == "prefilled" and not output.token_ids
-        blocks = prefill.prefilled_blocks(request_id)[kv.first_block :]
-        last_tokens = len(kv.token_ids) - (kv.first_block + len(blocks) - 1) * 16
-        ours.write_blocks(theirs.region, blocks, kv.block_ids, last_tokens)
-        prefill.release_prefilled(request_id)
-        assert decode.kv_arrived(request_id, kv.epoch)
-        split: list[int] = []
-        while decode.has_unfinished_requests():
-            for output in decode.step():
-                split.extend(output.token_ids)
+        split = generate_split(decode, prefill, (ours, theirs), request_id, prompt, GREEDY)
         assert split == unified, request_id

@@ -17,13 +17,12 @@ KERNELS = {
     "_rotary_kernel",
     "_store_kvcache_kernel",
     "_decode_split_kernel",
-    "_decode_merge_kernel",
+    "_merge_splits_kernel",
     "_extend_kernel",
     "_grouped_gemm_kernel",
     "_store_latent_kernel",
     "_select_experts_kernel",
     "_mla_decode_split_kernel",
-    "_mla_decode_merge_kernel",
     "_mla_prefill_kernel",
 }
 # The attention kernels, whose bf16 tiles feed `tl.dot` directly on a GPU.
