@@ -141,10 +141,12 @@ def test_prefill_nodes_killed_mid_prefill_leave_every_job_to_another_prefill_nod
     try:
         # prefill-a is stalled (as by a long step), then killed while it holds prompts; prefill-b
         # is up. Both hold nothing and report no load: the gateway sends every first attempt to
-        # prefill-a (ties go to the first id).
-        stack.processes["node-prefill-a"].send_signal(signal.SIGSTOP)
+        # prefill-a (ties go to the first id). prefill-a stops once prefill-b beats and the jobs
+        # go at once, while prefill-a's last heartbeat is live (stopped first, a slow start of
+        # prefill-b outlasted it once, and every job went to prefill-b).
         start(stack, model, "prefill-b", "prefill")
         wait_for(lambda: "prefill-b" in node_states(stack), what="prefill-b's heartbeat")
+        stack.processes["node-prefill-a"].send_signal(signal.SIGSTOP)
         job_ids = submit(stack, acme_key, model, 12)
         time.sleep(1)
         stack.processes["node-prefill-a"].send_signal(signal.SIGKILL)
