@@ -6,7 +6,6 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
 
 from inference.engine.block_manager import BlockManager
 from inference.engine.config import EngineConfig
@@ -24,9 +23,9 @@ from inference.engine.sampling_params import SamplingParams
 from inference.engine.scheduler import Scheduler
 from inference.engine.sequence import Sequence, SequenceStatus
 from inference.engine.tokenizer import Tokenizer
-from inference.errors import InvalidRequestError, ModelLoadError
+from inference.errors import InvalidRequestError
 from inference.models.loader import resolve_model_directory
-from inference.models.model_config import ModelConfig
+from inference.models.model_config import ModelConfig, read_hf_config
 from inference.structured.grammar import GrammarCompiler
 
 
@@ -42,11 +41,7 @@ class LLMEngine:
         self.config = config or EngineConfig(**overrides)
         cache_dir = Path(self.config.cache_dir) if self.config.cache_dir else None
         directory = resolve_model_directory(self.config.model, cache_dir)
-        try:
-            hf_config = AutoConfig.from_pretrained(str(directory))
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"cannot read the config of {directory}: {exc}") from exc
-        self.model_config = ModelConfig.from_hf(hf_config)
+        self.model_config = ModelConfig.from_hf(read_hf_config(directory))
         self.model_directory = directory
         self.tokenizer = Tokenizer(directory)
         model_len = self.model_config.max_position_embeddings

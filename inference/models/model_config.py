@@ -9,8 +9,10 @@ and DeepSeek-V3 with its Kimi K2 / K2.5 descendants (Multi-head Latent Attention
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -28,6 +30,10 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 _MODEL_TYPES = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
+# Model types transformers does not register, for an architecture it does: Kimi K2 ships
+# `kimi_k2` (with remote code) for DeepSeek-V3's architecture, as transformers' own Kimi K2.5
+# config maps it.
+_MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 # Multimodal configs whose language model is one of the families above.
 _NESTED_TEXT_CONFIGS = {"kimi_k25": "vision_config"}
 
@@ -153,6 +159,22 @@ class ModelConfig:
             return self.kv_bytes_per_token(dtype)
         per_head = self.mla.qk_head_dim + self.mla.v_head_dim
         return self.num_layers * self.num_heads * per_head * _element_bytes(dtype)
+
+
+def read_hf_config(directory: Path):
+    """The transformers config of a model directory, reading an aliased model type
+    (`_MODEL_TYPE_ALIASES`) as its architecture's config; never runs remote code."""
+    from transformers import AutoConfig
+
+    try:
+        raw = json.loads((directory / "config.json").read_text())
+        alias = _MODEL_TYPE_ALIASES.get(raw.get("model_type"))
+        if alias is not None:
+            fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map")}
+            return AutoConfig.for_model(alias, **fields)
+        return AutoConfig.from_pretrained(str(directory))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read the config of {directory}: {exc}") from exc
 
 
 def text_config_of(hf_config):

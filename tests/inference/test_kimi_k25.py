@@ -57,3 +57,18 @@ def test_the_text_model_of_a_kimi_k25_directory_gives_deepseek_v3s_tokens(kimi, 
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     assert [r.token_ids for r in llm.generate(prompts, params)] == expected
     assert f"{len(VISION_WEIGHTS)} vision-tower weights not loaded" in caplog.text
+
+
+def test_a_kimi_k2_directory_serves_as_deepseek_v3(kimi, tmp_path):
+    """Kimi K2 ships `model_type: kimi_k2` (remote code transformers does not register) for
+    DeepSeek-V3's architecture: read as DeepSeek-V3, no remote code run."""
+    text, _ = kimi
+    k2 = tmp_path / "kimi-k2"
+    shutil.copytree(text, k2)
+    config = json.loads((k2 / "config.json").read_text())
+    config.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.X"})
+    (k2 / "config.json").write_text(json.dumps(config))
+    prompts = [[5, 9, 17, 40, 41, 3]]
+    llm = LLM(str(k2), dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert [r.token_ids for r in llm.generate(prompts, params)] == hf_greedy(text, prompts, 12)
