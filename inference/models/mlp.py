@@ -18,13 +18,14 @@ class DenseMLP:
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return ops.linear(ops.silu_and_mul(ops.linear(hidden, self.gate_up_proj)), self.down_proj)
 
-    def load(
-        self, checkpoint: Checkpoint, prefix: str, names=("gate_proj", "up_proj", "down_proj")
-    ):
-        """Copy `prefix{gate,up,down}_proj.weight` (Mixtral's experts call them w1, w3, w2)."""
-        gate, up, down = (f"{prefix}{name}.weight" for name in names)
-        self.gate_up_proj.copy_(torch.cat([checkpoint.take(gate), checkpoint.take(up)], dim=0))
-        self.down_proj.copy_(checkpoint.take(down))
+    def load(self, checkpoint: Checkpoint, prefix: str) -> None:
+        """Copy `prefix{gate,up,down}_proj.weight`, fusing gate and up."""
+        gate, up = (
+            checkpoint.take(prefix + "gate_proj.weight"),
+            checkpoint.take(prefix + "up_proj.weight"),
+        )
+        self.gate_up_proj.copy_(torch.cat([gate, up], dim=0))
+        self.down_proj.copy_(checkpoint.take(prefix + "down_proj.weight"))
 
     def pack(self, quantization: str | None) -> None:
         for name in ("gate_up_proj", "down_proj"):
