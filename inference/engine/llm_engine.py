@@ -80,9 +80,6 @@ class LLMEngine:
         # send them (`prefilled_blocks`), then `release_prefilled`.
         self.prefilled: dict[str, Sequence] = {}
         self._grammars: GrammarCompiler | None = None
-        # MoE models: tokens per expert in total and in the last step (`stats`).
-        self._expert_tokens: torch.Tensor | None = None
-        self._last_step_expert_tokens: torch.Tensor | None = None
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -273,7 +270,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """Load and cache figures for heartbeats and metrics."""
-        manager = self.block_manager
+        manager, model = self.block_manager, self.runner.model
         return EngineStats(
             num_running=self.num_running,
             num_waiting=self.num_waiting,
@@ -287,20 +284,9 @@ class LLMEngine:
             num_held_blocks=manager.num_held_blocks,
             num_kv_timeouts=self.scheduler.num_kv_timeouts,
             num_kv_fallbacks=self.scheduler.num_kv_fallbacks,
-            expert_tokens=None if self._expert_tokens is None else self._expert_tokens.tolist(),
-            last_step_expert_tokens=None
-            if self._last_step_expert_tokens is None
-            else self._last_step_expert_tokens.tolist(),
+            expert_tokens=_as_list(model.expert_tokens()),
+            last_step_expert_tokens=_as_list(model.expert_tokens(last_step=True)),
         )
-
-    def _count_expert_tokens(self) -> None:
-        """Keep the routed-token counts of an MoE model: in total, and the last step's."""
-        counts = self.runner.model.expert_tokens()
-        if counts is None:
-            return
-        previous = self._expert_tokens if self._expert_tokens is not None else 0
-        self._last_step_expert_tokens = counts - previous
-        self._expert_tokens = counts
 
     def cached_block_hashes(self, limit: int | None = None) -> list[bytes]:
         """The prefix block hashes this engine's cache can serve now, at most `limit` (for
@@ -317,7 +303,6 @@ class LLMEngine:
         if not plan.scheduled:
             return outputs
         sampling, token_ids, logprobs = self.runner.run(plan.scheduled, self._grammars)
-        self._count_expert_tokens()
         now = time.time()
         for item in plan.scheduled:
             seq = item.seq
@@ -422,3 +407,7 @@ def _timings(seq: Sequence) -> Timings:
         if seq.num_output_tokens > 1:
             timings.tpot_s = (end - seq.first_token_time) / (seq.num_output_tokens - 1)
     return timings
+
+
+def _as_list(counts: torch.Tensor | None) -> list[int] | None:
+    return None if counts is None else counts.tolist()

@@ -56,6 +56,9 @@ class DecoderModel:
         self.dtype = dtype
         self.embed_tokens = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = [DecoderLayer(config, index, dtype) for index in range(config.num_layers)]
+        self.sparse_layers = [
+            layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)
+        ]
         self.norm = torch.ones(config.hidden_size, dtype=dtype)
         self.lm_head = (
             self.embed_tokens
@@ -126,10 +129,12 @@ class DecoderModel:
             layer.mlp.pack(quantization)
         self.lm_head = pack_projection(self.lm_head, None)
 
-    def expert_tokens(self) -> torch.Tensor | None:
-        """Tokens routed to each expert so far, summed over the sparse layers ([E]), or None
-        for a dense model."""
+    def expert_tokens(self, last_step: bool = False) -> torch.Tensor | None:
+        """Tokens routed to each expert, summed over the sparse layers ([E]): since load, or in
+        the last step; None for a dense model."""
+        if not self.sparse_layers:
+            return None
         counts = [
-            layer.mlp.expert_tokens for layer in self.layers if isinstance(layer.mlp, SparseMoE)
+            mlp.last_step_tokens if last_step else mlp.expert_tokens for mlp in self.sparse_layers
         ]
-        return torch.stack(counts).sum(0) if counts else None
+        return torch.stack(counts).sum(0)

@@ -22,7 +22,8 @@ from inference.models.model_config import MoEConfig
 
 class SparseMoE:
     """One layer's router, routed experts ([E, 2I, H] gate|up and [E, H, I] down) and shared
-    expert; counts the tokens each expert received (`expert_tokens`, cumulative)."""
+    expert; counts the tokens each expert received (`expert_tokens` since load,
+    `last_step_tokens` in the last forward, which is one engine step)."""
 
     def __init__(self, moe: MoEConfig, hidden_size: int, dtype: torch.dtype) -> None:
         self.moe = moe
@@ -43,6 +44,7 @@ class SparseMoE:
             torch.empty(1, hidden_size, dtype=dtype) if moe.shared_expert_gate else None
         )
         self.expert_tokens = torch.zeros(experts, dtype=torch.long)
+        self.last_step_tokens = torch.zeros(experts, dtype=torch.long)  # one forward is one step
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         moe = self.moe
@@ -57,9 +59,8 @@ class SparseMoE:
             topk_group=moe.topk_group,
             routed_scaling_factor=moe.routed_scaling_factor,
         )
-        self.expert_tokens += torch.bincount(
-            experts.flatten().long(), minlength=moe.num_experts
-        ).to(self.expert_tokens.device)
+        self.last_step_tokens = torch.bincount(experts.flatten().long(), minlength=moe.num_experts)
+        self.expert_tokens += self.last_step_tokens
         if not moe.router_fp32:
             # Mixtral and the Qwen MoEs weigh the experts in the model's dtype.
             weights = weights.to(hidden.dtype).float()
