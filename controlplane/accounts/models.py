@@ -46,15 +46,22 @@ class Org(models.Model):
 
 
 class Membership(models.Model):
-    """A console user's access to an org."""
+    """A console user's access to an org, with a role: what each role may do in the console is
+    `controlplane/console/roles.py`'s table."""
 
-    ROLES = [("owner", "Owner"), ("member", "Member")]
+    OWNER, ADMIN, DEVELOPER, BILLING = "owner", "admin", "developer", "billing"
+    ROLES = [
+        (OWNER, "Owner"),
+        (ADMIN, "Admin"),
+        (DEVELOPER, "Developer"),
+        (BILLING, "Billing viewer"),
+    ]
 
     org = models.ForeignKey(Org, on_delete=models.CASCADE, related_name="memberships")
     user = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships"
     )
-    role = models.CharField(max_length=16, choices=ROLES, default="member")
+    role = models.CharField(max_length=16, choices=ROLES, default=DEVELOPER)
     created = models.DateTimeField(auto_now_add=True)
 
     class Meta:

@@ -19,7 +19,7 @@ from controlplane.billing.invoices import FINALIZE_AFTER, Invoice
 from controlplane.billing.limits_api import RATE_FIELDS, budget_object
 from controlplane.billing.pricing import decimal_string
 from controlplane.billing.reports import GROUPINGS, UsageReport, month_bounds
-from controlplane.console.views import org_member_required
+from controlplane.console.roles import console_view
 
 CHART_HEIGHT = 160  # px of the tallest day's bar
 CHART_BAR = 18  # px per day, gap included
@@ -76,7 +76,7 @@ def report_rows(report: UsageReport) -> list[dict]:
 
 
 @require_GET
-@org_member_required
+@console_view("billing")
 def billing(request: HttpRequest) -> HttpResponse:
     month = chosen_month(request)
     start, end = month_bounds(month)
@@ -113,7 +113,7 @@ def billing(request: HttpRequest) -> HttpResponse:
 
 
 @require_GET
-@org_member_required
+@console_view("billing")
 def usage_csv(request: HttpRequest) -> HttpResponse:
     """The month's usage as `/v1/usage?format=csv` gives it, grouped by `?group_by=`."""
     group_by = request.GET.get("group_by", "day")
@@ -128,7 +128,7 @@ def usage_csv(request: HttpRequest) -> HttpResponse:
 
 
 @require_GET
-@org_member_required
+@console_view("billing")
 def invoice(request: HttpRequest, invoice_id: str) -> HttpResponse:
     """An invoice as a page to print."""
     found = get_object_or_404(Invoice, id=invoice_id, org=request.org)

@@ -1,14 +1,24 @@
-"""The web console's routes, under /console/ (controlplane/urls.py)."""
+"""The web console's routes, under /console/ (controlplane/urls.py). Each page's module lists its
+own routes (`urlpatterns`); this joins them."""
 
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from controlplane.console import billing, views
+from controlplane.console import (
+    batches,
+    billing,
+    dashboard,
+    fleet,
+    job_page,
+    members,
+    playground,
+    views,
+    webhooks,
+)
 
 app_name = "console"
 
 urlpatterns = [
-    path("", views.overview, name="overview"),
     path(
         "login",
         auth_views.LoginView.as_view(
@@ -24,4 +34,11 @@ urlpatterns = [
     path("billing", billing.billing, name="billing"),
     path("billing/usage.csv", billing.usage_csv, name="usage-csv"),
     path("billing/invoices/<str:invoice_id>", billing.invoice, name="invoice"),
+    *dashboard.urlpatterns,  # "" is the dashboard, named "overview"
+    *playground.urlpatterns,
+    *fleet.urlpatterns,
+    *job_page.urlpatterns,
+    *batches.urlpatterns,
+    *webhooks.urlpatterns,
+    *members.urlpatterns,
 ]

@@ -1,45 +1,25 @@
 """The web console: API keys and a live jobs table, for the signed-in user's org.
 
-Views are thin: find the user's org, fetch within it, call one model method, render. Everything
-is scoped to that org, so another org's key or job is a 404, never a 403 that would confirm it
-exists.
+Views are thin: `console_view` finds the user's org and checks their role (console/roles.py);
+the view fetches within that org, calls one model method, renders. Another org's key or job is a
+404, never a 403 that would confirm it exists.
 """
 
 from __future__ import annotations
 
-from functools import wraps
-
 from django import forms
-from django.contrib.auth.decorators import login_required
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
-from controlplane.accounts.models import ApiKey, Membership
+from controlplane.accounts.models import ApiKey
+from controlplane.console.roles import console_view
 from controlplane.jobs.models import Job
 from controlplane.jobs.serializers import job_object
 
 # The jobs page shows this many of the newest jobs; the live updates keep it at that length.
 JOBS_SHOWN = 100
-
-
-def org_member_required(view):
-    """`login_required`, then `request.org`: the user's first org (by membership date). A user
-    in no org has nothing to see here."""
-
-    @login_required
-    @wraps(view)
-    def wrapper(request: HttpRequest, *args, **kwargs) -> HttpResponse:
-        membership = (
-            Membership.objects.filter(user=request.user).select_related("org").order_by("created")
-        ).first()
-        if membership is None:
-            raise Http404("You are not a member of any organisation.")
-        request.org = membership.org
-        return view(request, *args, **kwargs)
-
-    return wrapper
 
 
 class NewKeyForm(forms.Form):
@@ -57,15 +37,8 @@ def key_status(key: ApiKey, now) -> str:
     return "active"
 
 
-@require_GET
-@org_member_required
-def overview(request: HttpRequest) -> HttpResponse:
-    """The console's front page is the jobs table."""
-    return redirect("console:jobs")
-
-
 @require_http_methods(["GET", "POST"])
-@org_member_required
+@console_view("keys")
 def keys(request: HttpRequest) -> HttpResponse:
     """List the org's keys; POST creates one and shows its full secret in this response only
     (no redirect: the secret must not travel through a URL or the session)."""
@@ -88,7 +61,7 @@ def keys(request: HttpRequest) -> HttpResponse:
 
 
 @require_POST
-@org_member_required
+@console_view("keys")
 def revoke_key(request: HttpRequest, key_id: int) -> HttpResponse:
     """Revoke one of the org's keys (another org's key is a 404)."""
     get_object_or_404(ApiKey, pk=key_id, org=request.org).revoke()
@@ -96,7 +69,7 @@ def revoke_key(request: HttpRequest, key_id: int) -> HttpResponse:
 
 
 @require_GET
-@org_member_required
+@console_view("jobs")
 def jobs(request: HttpRequest) -> HttpResponse:
     """The org's newest jobs as the API shows them; the page's script keeps them live."""
     Job.objects.expire_overdue(org=request.org)

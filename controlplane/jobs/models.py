@@ -208,6 +208,14 @@ class Job(models.Model):
         "jobs.Batch", on_delete=models.CASCADE, null=True, blank=True, related_name="jobs"
     )
     custom_id = models.CharField(max_length=512, blank=True)
+    # Written when it settles, for the dashboard's percentiles (console/dashboard.py): the node's
+    # timings (inference/engine/outputs.py Timings; null where it sent none), the seconds from
+    # admission to its start, and the code of a failure (the node's, or `expired`).
+    ttft_s = models.FloatField(null=True, blank=True)
+    tpot_s = models.FloatField(null=True, blank=True)
+    e2e_s = models.FloatField(null=True, blank=True)
+    queue_wait_s = models.FloatField(null=True, blank=True)
+    error_code = models.CharField(max_length=64, blank=True)
 
     objects = JobManager()
 
@@ -274,6 +282,7 @@ class Job(models.Model):
                 status=Job.EXPIRED,
                 finished_at=now,
                 error="the job's deadline passed before it started",
+                error_code="expired",
             )
             if expired:
                 self.refresh_from_db()
@@ -296,15 +305,16 @@ class Job(models.Model):
         abort = {"request_id": self.request_id}
         transaction.on_commit(partial(send, control_queue(self.model, node), ABORT_ACTOR, abort))
 
-    def fail(self, error: str) -> bool:
+    def fail(self, error: str, code: str = "undeliverable") -> bool:
         """→ failed from queued or running, once (a job the control plane cannot hand on)."""
         now = timezone.now()
         with transaction.atomic():
             failed = Job.objects.filter(pk=self.pk, status__in=[Job.QUEUED, Job.RUNNING]).update(
-                status=Job.FAILED, error=error, finished_at=now
+                status=Job.FAILED, error=error, error_code=code, finished_at=now
             )
             if failed:
                 self.status, self.error, self.finished_at = Job.FAILED, error, now
+                self.error_code = code
                 budgets.settle(self, Decimal(0))
                 self.emit("job.failed")
         return bool(failed)

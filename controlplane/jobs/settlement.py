@@ -130,10 +130,15 @@ def _settlement(job: Job, price, result: CompletionResult, now) -> Settlement:
         events.append(("job.running", job_object(job)))
     job.finished_at = now
     job.started_at = job.started_at or now
+    job.queue_wait_s = max((job.started_at - job.created).total_seconds(), 0.0)
+    job.ttft_s, job.tpot_s, job.e2e_s = (
+        _seconds(result.timings.get(name)) for name in ("ttft_s", "tpot_s", "e2e_s")
+    )
     record, cost = None, Decimal(0)
     if result.error:
         job.status = Job.EXPIRED if result.error_code == "expired" else Job.FAILED
         job.error = result.error
+        job.error_code = (result.error_code or "node_error")[:64]
     else:
         usage = result.usage
         record = UsageRecord.objects.build(
@@ -169,8 +174,17 @@ def _settlement(job: Job, price, result: CompletionResult, now) -> Settlement:
     return Settlement(job, record, cost, events)
 
 
+def _seconds(value: Any) -> float | None:
+    """A node's timing as a number of seconds; None for one it did not send (or not a number)."""
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
 # What settling writes to the job row, besides SETTLED_FIELDS.
-WRITTEN_FIELDS = [*SETTLED_FIELDS, "attempts", "error", "result"]
+WRITTEN_FIELDS = [
+    *SETTLED_FIELDS,
+    *("attempts", "error", "result", "error_code"),
+    *("ttft_s", "tpot_s", "e2e_s", "queue_wait_s"),
+]
 
 
 def lock_for_settling(request_ids: list[str]) -> dict[str, tuple[Job, Price | None]]:
