@@ -285,6 +285,9 @@ BATCH_AFFINITY_MIN_LINES = env_int("HEARTH_BATCH_AFFINITY_MIN_LINES", 4)
 WEBHOOK_ALLOW_PRIVATE = env_bool("HEARTH_WEBHOOK_ALLOW_PRIVATE", False)
 # One delivery attempt's socket timeout (connect, and each read), in seconds.
 WEBHOOK_TIMEOUT_S = env_float("HEARTH_WEBHOOK_TIMEOUT_S", 10.0)
+# A `sending` attempt older than the timeout plus this belongs to a worker that died mid-request:
+# a redelivered message may claim it again. Longer than any pause a live worker takes.
+WEBHOOK_CLAIM_LEASE_MARGIN_S = env_float("HEARTH_WEBHOOK_CLAIM_LEASE_MARGIN_S", 60.0)
 # Attempts per event and endpoint, the first included.
 WEBHOOK_MAX_ATTEMPTS = env_int("HEARTH_WEBHOOK_MAX_ATTEMPTS", 8)
 # The upper bound of the wait after the 1st, 2nd, … failed attempt (the last repeats); the wait

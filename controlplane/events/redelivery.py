@@ -22,7 +22,7 @@ from django.utils import timezone
 
 from controlplane.events.models import Event
 from controlplane.events.tasks import deliver_webhook
-from controlplane.events.webhooks import CLAIM_LEASE_MARGIN_S, WebhookDelivery
+from controlplane.events.webhooks import WebhookDelivery
 
 BATCH = 500
 
@@ -39,7 +39,9 @@ def resend_lost_webhooks(grace_s: float) -> int:
         for delivery_id in WebhookDelivery.objects.fan_out(event_pk):
             deliver_webhook.send(delivery_id)
             sent += 1
-    lease_cutoff = now - timedelta(seconds=settings.WEBHOOK_TIMEOUT_S + CLAIM_LEASE_MARGIN_S)
+    lease_cutoff = now - timedelta(
+        seconds=settings.WEBHOOK_TIMEOUT_S + settings.WEBHOOK_CLAIM_LEASE_MARGIN_S
+    )
     overdue = WebhookDelivery.objects.filter(
         Q(status=WebhookDelivery.PENDING, scheduled_at__lt=cutoff)
         | Q(status=WebhookDelivery.SENDING, claimed_at__lt=lease_cutoff)

@@ -57,9 +57,6 @@ EVENT_TYPES = (
 )
 # How much of a receiver's answer is kept in the delivery log.
 RESPONSE_EXCERPT_BYTES = 1024
-# A `sending` attempt older than the request timeout plus this belongs to a worker that died
-# mid-request; a redelivered message may claim it again.
-CLAIM_LEASE_MARGIN_S = 60
 
 
 def new_endpoint_id() -> str:
@@ -222,6 +219,15 @@ class WebhookEndpoint(models.Model):
         self.enabled, self.disabled_reason = False, reason
         return bool(changed)
 
+    def enable(self) -> bool:
+        """Deliver to this endpoint again (events written while it was disabled are not sent);
+        True when this call enabled it."""
+        changed = WebhookEndpoint.objects.filter(pk=self.pk, enabled=False).update(
+            enabled=True, disabled_reason=""
+        )
+        self.enabled, self.disabled_reason = True, ""
+        return bool(changed)
+
 
 class WebhookDeliveryManager(models.Manager["WebhookDelivery"]):
     def fan_out(self, event_pk: int) -> list[str]:
@@ -259,7 +265,9 @@ class WebhookDeliveryManager(models.Manager["WebhookDelivery"]):
         whose worker died is taken over after its lease). None when someone else has it or it
         is settled."""
         now = timezone.now()
-        lease = timedelta(seconds=settings.WEBHOOK_TIMEOUT_S + CLAIM_LEASE_MARGIN_S)
+        lease = timedelta(
+            seconds=settings.WEBHOOK_TIMEOUT_S + settings.WEBHOOK_CLAIM_LEASE_MARGIN_S
+        )
         claimed = (
             self.filter(pk=delivery_id)
             .filter(
@@ -271,6 +279,39 @@ class WebhookDeliveryManager(models.Manager["WebhookDelivery"]):
         if not claimed:
             return None
         return self.select_related("endpoint", "event").get(pk=delivery_id)
+
+    def retry(self, failed: WebhookDelivery) -> WebhookDelivery | None:
+        """Send a failed attempt's event to its endpoint again now, on a person's request (the
+        console's Retry): the attempt that follows it when one is waiting (brought forward), else
+        a new one after the last. Returns that attempt for the caller to enqueue, or None when
+        there is nothing to retry: the attempt did not fail, or a later one is being sent or
+        succeeded. A manual attempt past WEBHOOK_MAX_ATTEMPTS is sent once, without automatic
+        retries after it. The failed attempt's `next_attempt_at` becomes now: one follows."""
+        if failed.status != WebhookDelivery.FAILED:
+            return None
+        now = timezone.now()
+        chain = self.filter(endpoint_id=failed.endpoint_id, event_id=failed.event_id)
+        with transaction.atomic():
+            last = chain.order_by("-attempt").first()
+            if last.status == WebhookDelivery.PENDING:
+                # Conditional: a worker that claimed it meanwhile is already sending it.
+                if not chain.filter(pk=last.pk, status=WebhookDelivery.PENDING).update(
+                    scheduled_at=now
+                ):
+                    return None
+                last.scheduled_at, retry = now, last
+            elif last.status == WebhookDelivery.FAILED:
+                # get_or_create: two people retrying at once make one attempt.
+                retry, _ = self.get_or_create(
+                    endpoint_id=failed.endpoint_id,
+                    event_id=failed.event_id,
+                    attempt=last.attempt + 1,
+                    defaults={"scheduled_at": now},
+                )
+            else:
+                return None
+            chain.filter(attempt=retry.attempt - 1).update(next_attempt_at=now)
+        return retry
 
 
 class WebhookDelivery(models.Model):

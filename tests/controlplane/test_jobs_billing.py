@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict, replace
+from datetime import timedelta
 from decimal import Decimal
 
 import dramatiq
@@ -41,7 +42,9 @@ def make_job(org, model="SmolLM2-135M-Instruct", **fields) -> Job:
     )
 
 
-def result_for(job: Job, prompt=1000, cached=600, completion=200, **extra) -> CompletionResult:
+def result_for(
+    job: Job, prompt=1000, cached=600, completion=200, timings=None, **extra
+) -> CompletionResult:
     return CompletionResult(
         request_id=job.request_id,
         job_id=job.id,
@@ -50,7 +53,7 @@ def result_for(job: Job, prompt=1000, cached=600, completion=200, **extra) -> Co
         token_ids=[1, 2],
         finish_reason="stop",
         usage=Usage(prompt, cached, completion),
-        timings={"ttft_s": 0.1},
+        timings={"ttft_s": 0.1} if timings is None else timings,
         **extra,
     )
 
@@ -117,7 +120,34 @@ def test_an_error_result_fails_the_job_and_bills_nothing(org_a, smollm2):
     assert record_completion(result_for(job, error="prompt too long"))
     job.refresh_from_db()
     assert job.status == Job.FAILED and job.error == "prompt too long"
+    assert job.error_code == "node_error"  # the node sent no code of its own
     assert not UsageRecord.objects.exists()
+
+
+@pytest.mark.parametrize("transactional", [False, True], ids=["one", "together"])
+def test_settling_keeps_the_nodes_timings_and_the_queue_wait(org_a, smollm2, transactional):
+    jobs = [make_job(org_a) for _ in range(2)]
+    assert jobs[0].start("node-1")
+    # Started 3 s after it was admitted (moving `created` back would predate its price).
+    Job.objects.filter(pk=jobs[0].pk).update(started_at=jobs[0].created + timedelta(seconds=3))
+    timings = {"queued_s": 0.01, "ttft_s": 0.25, "tpot_s": 0.02, "e2e_s": 1.5}
+    results = [
+        result_for(jobs[0], timings=timings),
+        result_for(jobs[1], timings={"ttft_s": "soon"}, error="no", error_code="overloaded"),
+    ]
+    if transactional:
+        assert record_completions(results) == [True, True]
+    else:
+        assert [record_completion(result) for result in results] == [True, True]
+    for job in jobs:
+        job.refresh_from_db()
+    assert (jobs[0].ttft_s, jobs[0].tpot_s, jobs[0].e2e_s) == (0.25, 0.02, 1.5)
+    assert jobs[0].queue_wait_s == pytest.approx(
+        (jobs[0].started_at - jobs[0].created).total_seconds()
+    )
+    assert jobs[0].queue_wait_s >= 3 and jobs[0].error_code == ""
+    # A timing that is not a number is left out; the node's error code is kept.
+    assert (jobs[1].ttft_s, jobs[1].tpot_s, jobs[1].error_code) == (None, None, "overloaded")
 
 
 def test_start_claims_a_queued_job_once_and_counts_every_start(org_a, smollm2):

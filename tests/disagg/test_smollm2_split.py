@@ -28,7 +28,12 @@ DOCUMENT = (
 
 def make_engine(**overrides) -> LLMEngine:
     return LLMEngine(
-        EngineConfig(model="SmolLM2-135M-Instruct", kv_cache_memory_bytes=64 << 20, **overrides)
+        EngineConfig(
+            model="SmolLM2-135M-Instruct",
+            dtype="float32",
+            kv_cache_memory_bytes=64 << 20,
+            **overrides,
+        )
     )
 
 

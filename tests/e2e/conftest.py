@@ -48,6 +48,8 @@ def production_stack(redis_url: str, log_dir) -> ProductionStack:
         HEARTH_WEBHOOK_ALLOW_PRIVATE="1",
         HEARTH_WEBHOOK_RETRY_SCHEDULE_S="0.5,1,1,1,1,1,1",
         HEARTH_WEBHOOK_TIMEOUT_S="1",
+        # A killed worker's attempt is taken over within seconds (the fault tests), not a minute.
+        HEARTH_WEBHOOK_CLAIM_LEASE_MARGIN_S="3",
     )
     return stack
 

@@ -103,7 +103,7 @@ def assert_webhooks_delivered(receiver: Receiver, secret: str, job_ids: list[str
     and each succeeded once in the delivery log."""
     events = {e.id: e for e in Event.objects.filter(data__id__in=job_ids)}
     # An attempt a killed worker was sending is resent by the sweeper once its claim's lease
-    # (the webhook timeout plus a minute) has passed.
+    # (the webhook timeout plus its margin: 3 s here) has passed.
     wait_for(
         lambda: set(events) <= {headers["webhook-id"] for headers, _ in receiver.requests},
         timeout_s=150,
