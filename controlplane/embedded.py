@@ -9,6 +9,9 @@ on that loop (DeltaPublisher(loop=…), events.push.bind_loop).
 With `disaggregated`, each model gets a prefill node and a decode node instead of one unified
 node, which move KV blocks over the Mooncake Transfer Engine on loopback
 (docs/disaggregation.md): the split with no other service.
+
+The one `GET /metrics` shows every part: the worker's series (jobs/job_metrics.py) and the
+nodes' (inference/node/metrics.py) are registered in the gateway's registry while it serves.
 """
 
 from __future__ import annotations
@@ -26,10 +29,13 @@ from controlplane.catalog.models import ServedModel
 from controlplane.catalog.registry import use_memory_heartbeat
 from controlplane.dispatch.redelivery import redispatch_open
 from controlplane.events.push import bind_loop
+from controlplane.jobs import job_metrics
+from controlplane.metrics import REGISTRY
 from inference.disagg.layout import kv_layout_of
 from inference.disagg.prefill_node import PrefillNode
 from inference.disagg.transfer import KVTransfer
 from inference.engine import EngineConfig, LLMEngine
+from inference.node.metrics import NodeMetrics
 from inference.node.node import Node
 from inference.protocol.delta_publisher import DeltaPublisher
 from inference.protocol.heartbeat import MemoryHeartbeat
@@ -56,6 +62,7 @@ class EmbeddedHearth:
         self.disaggregated = disaggregated
         self.stop = threading.Event()
         self.heartbeat = MemoryHeartbeat()
+        self.node_metrics = NodeMetrics()  # every node's of this process
         self.threads: list[threading.Thread] = []
 
     def _start_worker(self) -> dramatiq.Worker:
@@ -75,7 +82,15 @@ class EmbeddedHearth:
             publisher = DeltaPublisher(get_channel_layer(), loop=loop)
             name = f"embedded-{model.id}"
             if not self.disaggregated:
-                node = Node(self._engine(model), model.id, name, broker, publisher, self.heartbeat)
+                node = Node(
+                    self._engine(model),
+                    model.id,
+                    name,
+                    broker,
+                    publisher,
+                    self.heartbeat,
+                    metrics=self.node_metrics,
+                )
                 self._run(node, f"node-{model.id}")
                 continue
             prefill_engine, decode_engine = self._engine(model), self._engine(model)
@@ -86,6 +101,7 @@ class EmbeddedHearth:
                 broker,
                 self._transfer(prefill_engine, model.id),
                 self.heartbeat,
+                metrics=self.node_metrics,
             )
             decode = Node(
                 decode_engine,
@@ -96,6 +112,7 @@ class EmbeddedHearth:
                 self.heartbeat,
                 role="decode",
                 kv=self._transfer(decode_engine, model.id),
+                metrics=self.node_metrics,
             )
             self._run(prefill, f"prefill-{model.id}")
             self._run(decode, f"decode-{model.id}")
@@ -114,6 +131,16 @@ class EmbeddedHearth:
         """The engine's KV cache registered with a Transfer Engine on loopback."""
         return KVTransfer(engine.runner.kv_buffer, kv_layout_of(engine, model_id))
 
+    def expose_metrics(self) -> None:
+        """Register the worker's and the nodes' series in the gateway's registry: this process's
+        `GET /metrics` shows them (`hide_metrics` undoes it)."""
+        for collector in [*job_metrics.COLLECTORS, self.node_metrics]:
+            REGISTRY.register(collector)
+
+    def hide_metrics(self) -> None:
+        for collector in [*job_metrics.COLLECTORS, self.node_metrics]:
+            REGISTRY.unregister(collector)
+
     def _run(self, node, name: str) -> None:
         thread = threading.Thread(target=node.run, args=(self.stop,), name=name, daemon=True)
         thread.start()
@@ -125,6 +152,7 @@ class EmbeddedHearth:
         loop = asyncio.get_running_loop()
         bind_loop(loop)
         use_memory_heartbeat(self.heartbeat)
+        self.expose_metrics()
         worker = self._start_worker()
         try:
             # Engines load before the port opens: /healthz answering means nodes are serving.
@@ -144,5 +172,6 @@ class EmbeddedHearth:
             for thread in self.threads:
                 await asyncio.to_thread(thread.join, 10)
             worker.stop()
+            self.hide_metrics()
             bind_loop(None)
             use_memory_heartbeat(None)

@@ -4,9 +4,14 @@ DRF's views reach it through controlplane/api/exception_handler.py."""
 
 from __future__ import annotations
 
+from django.dispatch import Signal
 from django.http import JsonResponse
 
 MISSING_KEY_MESSAGE = "You didn't provide an API key: use 'Authorization: Bearer <api key>'."
+
+# Sent with `org_id`, `status` and `code` when an error is answered to an authenticated org's
+# request; the gateway counts them for the console's dashboard (gateway/models.py ApiErrorCount).
+error_answered = Signal()
 
 _TYPES = {
     400: "invalid_request_error",

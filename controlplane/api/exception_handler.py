@@ -10,7 +10,7 @@ from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler
 
-from controlplane.api.errors import MISSING_KEY_MESSAGE, ApiError, error_body
+from controlplane.api.errors import MISSING_KEY_MESSAGE, ApiError, error_answered, error_body
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,25 @@ def _first_validation_error(detail, path: str = "") -> tuple[str | None, str]:
 
 
 def openai_exception_handler(exc, context):
-    """DRF's EXCEPTION_HANDLER: OpenAI's error shape for every failure, 500s included."""
+    """DRF's EXCEPTION_HANDLER: OpenAI's error shape for every failure, 500s included; an
+    authenticated org's is announced (`error_answered`) for its count."""
+    response = _openai_response(exc, context)
+    org = _authenticated_org(context.get("request"))
+    if org is not None:
+        code = response.data["error"]["code"]
+        error_answered.send(ApiError, org_id=org.id, status=response.status_code, code=code)
+    return response
+
+
+def _authenticated_org(request):
+    """The org of the request's API key; None when it has none (the error may be the key's)."""
+    try:
+        return getattr(request.user, "org", None) if request is not None else None
+    except exceptions.APIException:  # never authenticated: the key is refused again
+        return None
+
+
+def _openai_response(exc, context) -> Response:
     if isinstance(exc, ApiError):  # raised by shared steps (admission) under a DRF view
         return Response(
             error_body(exc.message, exc.status, exc.param, exc.code),

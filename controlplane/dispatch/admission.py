@@ -19,7 +19,7 @@ from typing import Any
 from django.conf import settings
 from django.db import close_old_connections
 
-from controlplane.api.auth import authenticate
+from controlplane.api.auth import ApiKeyPrincipal, authenticate
 from controlplane.api.errors import ApiError
 from controlplane.billing import budgets
 from controlplane.billing.pricing import max_cost
@@ -59,13 +59,15 @@ def _parse(body: bytes):
 
 
 def admit(
-    authorization: str,
+    authorization: str | ApiKeyPrincipal,
     body: bytes,
     endpoint: str,
     session_affinity: str | None,
     reply_channel: str | None,
 ) -> Admission:
-    """Admit one request or raise ApiError; see the module docstring for the steps."""
+    """Admit one request or raise ApiError; see the module docstring for the steps.
+    `authorization`: the `Authorization` header, or the principal when the caller acts through
+    a key it holds without its secret (the console playground: console/playground.py)."""
     try:
         return _admit(authorization, body, endpoint, session_affinity, reply_channel)
     finally:
@@ -73,7 +75,9 @@ def admit(
 
 
 def _admit(authorization, body, endpoint, session_affinity, reply_channel) -> Admission:
-    principal = authenticate(authorization)
+    principal = (
+        authorization if isinstance(authorization, ApiKeyPrincipal) else authenticate(authorization)
+    )
     parsed = _parse(body)
     prepared = prepare_request(parsed, endpoint)
     request = prepared.request

@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
@@ -29,7 +30,8 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.views.decorators.csrf import csrf_exempt
 
 from controlplane import layer_receive
-from controlplane.api.errors import ApiError
+from controlplane.api.auth import ApiKeyPrincipal, authenticate
+from controlplane.api.errors import ApiError, error_answered
 from controlplane.api.responses import (
     completion_response,
     node_choices,
@@ -39,6 +41,7 @@ from controlplane.api.responses import (
 )
 from controlplane.dispatch.admission import Admission, admit
 from controlplane.gateway.idempotency import idempotent
+from controlplane.gateway.request_metrics import admitted, observed
 from controlplane.jobs.models import Job
 from controlplane.jobs.serializers import job_object
 from inference.structured.tool_calls import ToolCallStream
@@ -52,32 +55,47 @@ ADMISSIONS = ThreadPoolExecutor(settings.ADMISSION_THREADS, thread_name_prefix="
 
 
 @csrf_exempt
+@observed
 @idempotent
 async def chat_completions(request: HttpRequest) -> HttpResponse:
     return await _complete(request, Job.CHAT)
 
 
 @csrf_exempt
+@observed
 @idempotent
 async def completions(request: HttpRequest) -> HttpResponse:
     return await _complete(request, Job.TEXT)
 
 
-async def _complete(request: HttpRequest, endpoint: str) -> HttpResponse:
+@observed
+async def chat_completions_as(request: HttpRequest, principal: ApiKeyPrincipal) -> HttpResponse:
+    """`chat_completions` for a request that carries no API key, admitted as `principal`: the
+    console playground's, which acts through its org's key without holding its secret. Counted
+    and logged as the API's are, under the playground's path."""
+    return await _complete(request, Job.CHAT, principal)
+
+
+async def _complete(
+    request: HttpRequest, endpoint: str, principal: ApiKeyPrincipal | None = None
+) -> HttpResponse:
     if request.method != "POST":
         return ApiError(405, f"Use POST for /v1/{endpoint}.", code="method_not_allowed").response()
     layer = get_channel_layer()
     reply_channel = await layer.new_channel()
     try:
         admission = await sync_to_async(admit, thread_sensitive=False, executor=ADMISSIONS)(
-            request.headers.get("Authorization", ""),
+            principal or request.headers.get("Authorization", ""),
             request.body,
             endpoint,
             request.headers.get("x-session-affinity") or None,
             reply_channel,
         )
     except ApiError as error:
-        return error.response()
+        org_id = principal.org.id if principal is not None else None
+        authorization = request.headers.get("Authorization", "")
+        return await _refused(error, authorization=authorization, org_id=org_id)
+    admitted(request, admission)  # its metrics' model, its log lines' ids (request_metrics.py)
     if admission.request.queue:
         response = JsonResponse(job_object(admission.job), status=202)
         return _with_headers(response, admission, admission.route.node, None)
@@ -90,7 +108,8 @@ async def _complete(request: HttpRequest, endpoint: str) -> HttpResponse:
         while done["type"] == "delta":
             done = await _receive(layer, reply_channel, deadline, admission.job)
     except ApiError as error:
-        return _with_headers(error.response(), admission, admission.route.node, None)
+        response = await _refused(error, org_id=admission.job.org_id)
+        return _with_headers(response, admission, admission.route.node, None)
     except asyncio.CancelledError:
         _abandon(admission.job, done.get("node"))  # the last delta says where it runs
         raise
@@ -110,6 +129,27 @@ async def _complete(request: HttpRequest, endpoint: str) -> HttpResponse:
         done["usage"]["cached_tokens"],
         done.get("prefill_node"),
     )
+
+
+async def _refused(error: ApiError, authorization: str = "", org_id: int | None = None):
+    """The error's response, announced (`error_answered`, for the dashboard's count) for the org
+    it answers: `org_id`, or the org of the key in `authorization`. A 401 answers no org."""
+    if org_id is not None or error.status != 401:
+        count = partial(_announce_error, error, authorization, org_id)
+        await sync_to_async(count, thread_sensitive=False, executor=ADMISSIONS)()
+    return error.response()
+
+
+def _announce_error(error: ApiError, authorization: str, org_id: int | None) -> None:
+    try:
+        if org_id is None:
+            # The key admission authenticated before it refused: this process's cache has it.
+            org_id = authenticate(authorization).org.id
+        error_answered.send(ApiError, org_id=org_id, status=error.status, code=error.code)
+    except ApiError:
+        pass  # the key itself was refused: no org to count it for
+    finally:
+        close_old_connections()
 
 
 # How long a reply channel may stay quiet before the gateway looks at the job itself: a delta is

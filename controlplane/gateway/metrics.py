@@ -1,4 +1,7 @@
-"""`GET /metrics`: the registry of controlplane/metrics.py in Prometheus's exposition format."""
+"""`GET /metrics`: the registry of controlplane/metrics.py in Prometheus's exposition format,
+with the gateway's own request series (gateway/request_metrics.py). In embedded mode the worker's
+and the nodes' series are registered in it too (controlplane/embedded.py); in production they are
+served by the worker and each node (docs/observability.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +13,10 @@ from prometheus_client.exposition import choose_encoder
 
 from controlplane.api.auth import bearer_token
 from controlplane.api.errors import ApiError
-from controlplane.metrics import REGISTRY
+from controlplane.gateway import request_metrics
+from controlplane.metrics import REGISTRY, SharedCollector
+
+REGISTRY.register(SharedCollector(request_metrics.FAMILIES))
 
 
 def metrics(request) -> HttpResponse:

@@ -4,16 +4,25 @@ A key is claimed by inserting its row (org, key) in state `in_flight` before the
 unique constraint makes the claim atomic, so of two requests racing with one key exactly one runs.
 When the request finishes, its row keeps the response for replay (`completed`) or is deleted so a
 retry may run (`settle` says which). The decorator that drives this is `gateway.idempotency`.
+
+Also the count of API errors each org was answered, per minute, status and code (`ApiErrorCount`),
+for the console's dashboard.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
+import logging
+from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import IntegrityError, models
+from django.db import DatabaseError, IntegrityError, connection, models, transaction
 from django.db.models import Q
+from django.dispatch import receiver
 from django.utils import timezone
+
+from controlplane.api.errors import error_answered
+
+logger = logging.getLogger(__name__)
 
 # Stripe keeps keys 24 hours; after that the key may name a new request.
 KEY_TTL = timedelta(hours=24)
@@ -129,3 +138,62 @@ class IdempotencyKey(models.Model):
         # Only this claim: after a lease lapsed and another request took the row over, a late
         # finish of the first request must neither overwrite nor free the second's claim.
         return IdempotencyKey.objects.filter(pk=self.pk, state=self.IN_FLIGHT, created=self.created)
+
+
+class ApiErrorCountManager(models.Manager["ApiErrorCount"]):
+    def add(self, org_id: int, status: int, code: str | None, at: datetime | None = None) -> None:
+        """Count one error answered to the org: one upsert of its minute's row, atomic on both
+        databases (INSERT … ON CONFLICT DO UPDATE), so concurrent gateways lose no count.
+        Best effort: a database that refuses the write is logged, and the error still goes out."""
+        minute = (at or timezone.now()).replace(second=0, microsecond=0)
+        table = self.model._meta.db_table
+        try:
+            with transaction.atomic(), connection.cursor() as cursor:
+                cursor.execute(
+                    f"INSERT INTO {table} (org_id, minute, status, code, count) "
+                    "VALUES (%s, %s, %s, %s, 1) ON CONFLICT (org_id, minute, status, code) "
+                    f"DO UPDATE SET count = {table}.count + 1",
+                    [
+                        org_id,
+                        connection.ops.adapt_datetimefield_value(minute),
+                        status,
+                        (code or "")[: ApiErrorCount.CODE_LENGTH],
+                    ],
+                )
+        except DatabaseError:
+            logger.warning("could not count API error %s %s of org %s", status, code, org_id)
+
+
+class ApiErrorCount(models.Model):
+    """How many error responses (4xx and 5xx in OpenAI's shape) an org's authenticated requests
+    got in one UTC minute, with one status and error code. A refusal before any job existed (a
+    bad request, a rate limit, a spent budget) leaves no other trace; the dashboard shows these
+    beside the failed jobs. A minute's row per code: the dashboard's last hour is exact to the
+    minute, and a steady error costs at most 1,440 rows a day."""
+
+    CODE_LENGTH = 64
+
+    # Indexed as the unique constraint's first column.
+    org = models.ForeignKey(
+        "accounts.Org", on_delete=models.CASCADE, related_name="+", db_index=False
+    )
+    minute = models.DateTimeField()
+    status = models.PositiveSmallIntegerField()
+    code = models.CharField(max_length=CODE_LENGTH, blank=True)
+    count = models.PositiveIntegerField()
+
+    objects = ApiErrorCountManager()
+
+    class Meta:
+        constraints = [
+            # The upsert's ON CONFLICT target; it also serves the dashboard (org, then minutes).
+            models.UniqueConstraint(
+                fields=["org", "minute", "status", "code"], name="one_api_error_count"
+            )
+        ]
+
+
+@receiver(error_answered)
+def count_api_error(sender, org_id: int, status: int, code: str | None, **kwargs) -> None:
+    """Count the errors the API layer answers (its DRF exception handler) to an org."""
+    ApiErrorCount.objects.add(org_id, status, code)

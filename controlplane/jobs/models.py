@@ -225,6 +225,16 @@ class Job(models.Model):
             models.Index(fields=["org", "-created", "-id"], name="job_org_created"),
             # Queue positions and the expiry sweep.
             models.Index(fields=["status", "model", "created"], name="job_status_model_created"),
+            # The dashboard's latency percentiles of the jobs an org settled in the last 30 days
+            # (console/dashboard_figures.py), read from the index alone: a month of job rows is
+            # hundreds of MB to scan (bench/console.py). Settled jobs only, so a job adds its entry
+            # once, when it settles.
+            models.Index(
+                fields=["org", "finished_at"],
+                include=["ttft_s", "tpot_s", "queue_wait_s"],
+                condition=models.Q(finished_at__isnull=False),
+                name="job_org_finished",
+            ),
         ]
 
     def start(self, node: str = "", attempt: int | None = None) -> bool:

@@ -23,7 +23,6 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from decimal import Decimal
-from functools import partial
 from typing import Any
 
 from django.db import connection, transaction
@@ -36,10 +35,10 @@ from controlplane.billing.models import UsageRecord
 from controlplane.catalog.models import Price, price_in_effect
 from controlplane.events.models import Event
 from controlplane.jobs.batches import Batch
+from controlplane.jobs.job_metrics import count_on_commit
 from controlplane.jobs.models import SETTLED_FIELDS, Job
 from controlplane.jobs.serializers import job_object
 from controlplane.joined_rows import instances_from_row
-from controlplane.metrics import count_route_tokens
 from inference.protocol.messages import CompletionResult
 
 logger = logging.getLogger(__name__)
@@ -96,13 +95,7 @@ def _settle(results: list[CompletionResult]) -> list[bool]:
     for settlement in settlements:
         if settlement.job.batch_id is not None:
             Batch.objects.job_settled(settlement.job)  # after the events: see Job.emit
-    routed = [
-        (s.job.model, s.job.route, s.job.result["usage"], bool(s.job.prefill_node))
-        for s in settlements
-        if s.job.route and s.record is not None
-    ]
-    if routed:
-        transaction.on_commit(partial(count_route_tokens, routed), robust=True)
+    count_on_commit(settlements)  # metrics and the log line of each (jobs/job_metrics.py)
     return settled
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dramatiq
 
+from controlplane.jobs.job_metrics import WorkerMetricsServer
 from controlplane.jobs.models import Job
 from controlplane.jobs.settlement import record_completions
 from inference.protocol.keyed_messages import forget_results
@@ -13,6 +14,9 @@ from inference.protocol.messages import (
     RECORD_STARTED_ACTOR,
     results_of,
 )
+
+# The worker's own /metrics (HEARTH_WORKER_METRICS_PORT), served once a worker process boots.
+dramatiq.get_broker().add_middleware(WorkerMetricsServer())
 
 
 @dramatiq.actor(actor_name=RECORD_COMPLETION_ACTOR, queue_name=CONTROLPLANE_QUEUE)

@@ -27,9 +27,11 @@ from inference.disagg.transfer import KVTransfer, TransferError
 from inference.engine.llm_engine import LLMEngine
 from inference.engine.sampling_params import SamplingParams
 from inference.errors import InvalidRequestError
+from inference.node.metrics import NodeMetrics
 from inference.node.node import BROKER_DOWN
 from inference.node.state import Heartbeats, QueueSender, engine_state
 from inference.protocol.disagg import PrefillDone, PrefillRequest, disagg_counters
+from inference.protocol.logs import bind_log_context
 from inference.protocol.messages import PREFILL_DONE_ACTOR, prefill_node_queue, prefill_queue
 
 logger = logging.getLogger(__name__)
@@ -57,6 +59,7 @@ class PrefillNode:
         heartbeat=None,
         poll_ms: int = 4,
         heartbeat_interval_s: float = 2.0,
+        metrics: NodeMetrics | None = None,
     ) -> None:
         self.engine = engine
         self.model = model
@@ -64,6 +67,7 @@ class PrefillNode:
         self.broker = broker
         self.transfer = transfer
         self.heartbeats = Heartbeats(heartbeat, node_id, heartbeat_interval_s)
+        self.metrics = (metrics or NodeMetrics()).node(model, node_id)  # inference/node/metrics.py
         self.peers = KVPeers(transfer.region.layout)
         self.counters = disagg_counters()
         self.prefills: dict[str, _Prefill] = {}  # engine sequence id → its message
@@ -142,7 +146,7 @@ class PrefillNode:
 
     # ---- running ----------------------------------------------------------------------------
     def step(self) -> None:
-        for output in self.engine.step():
+        for output in self.metrics.timed_step(self.engine):
             prefill = self.prefills.pop(output.request_id, None)
             if prefill is None:
                 continue
@@ -210,6 +214,7 @@ class PrefillNode:
         self.heartbeats.beat(self._state, force)
 
     def _state(self) -> dict[str, Any] | None:
+        self.metrics.engine_stats(self.engine.stats())
         if self.draining:
             return None
         return engine_state(
@@ -231,6 +236,7 @@ class PrefillNode:
     def run(self, stop: threading.Event) -> None:
         """Serve until `stop`, or after `drain()` until every prompt taken is answered. At
         `stop`, what is unanswered stays unacked: the broker redelivers it."""
+        bind_log_context(node=self.node_id)
         self.beat(force=True)
         while not stop.is_set():
             try:

@@ -80,6 +80,9 @@ class LLMEngine:
         # send them (`prefilled_blocks`), then `release_prefilled`.
         self.prefilled: dict[str, Sequence] = {}
         self._grammars: GrammarCompiler | None = None
+        # The last step's batch: sequences it ran and tokens it computed (0, 0 when it ran none),
+        # for the node's step metrics (inference/node/metrics.py).
+        self.last_step_sequences = self.last_step_tokens = 0
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -300,6 +303,8 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         outputs = [self._final_output(seq) for seq in self._finished_outside_step + plan.finished]
         self._finished_outside_step = []
+        self.last_step_sequences = len(plan.scheduled)
+        self.last_step_tokens = plan.num_batched_tokens
         if not plan.scheduled:
             return outputs
         sampling, token_ids, logprobs = self.runner.run(plan.scheduled, self._grammars)

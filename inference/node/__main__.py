@@ -7,6 +7,10 @@ the Channels Redis layer and heartbeats to Redis keys, on `--redis-url`.
 node that has the prompts the gateway split computed by one (docs/disaggregation.md); both move
 KV blocks with the Mooncake Transfer Engine on `--kv-host`.
 
+`--metrics-port` serves the node's Prometheus series at `/metrics` on that port
+(inference/node/metrics.py); `--log-format` writes its log as JSON lines (the default) or text
+(inference/protocol/logs.py).
+
 SIGTERM or SIGINT drains the node: it leaves the registry, takes no more work, finishes the
 requests it runs, reports them and exits with 0. A second signal stops it at once: the requests
 it had not finished stay unacknowledged and the broker redelivers them to another node.
@@ -25,9 +29,11 @@ from inference.disagg.layout import kv_layout_of
 from inference.disagg.prefill_node import PrefillNode
 from inference.disagg.transfer import KVTransfer
 from inference.engine import EngineConfig, LLMEngine
+from inference.node import metrics
 from inference.node.node import Node
 from inference.protocol.delta_publisher import DeltaPublisher
 from inference.protocol.heartbeat import RedisHeartbeat
+from inference.protocol.logs import FORMATTERS, configure_logging
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,6 +67,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=60_000,
         help="Redis broker: after this long without a heartbeat a consumer's messages are requeued",
     )
+    parser.add_argument(
+        "--metrics-port", type=int, default=0, help="serve /metrics on this port (0: not at all)"
+    )
+    parser.add_argument("--metrics-host", default="0.0.0.0", help="the address /metrics binds")
+    parser.add_argument(
+        "--log-format",
+        default="json",
+        choices=sorted(FORMATTERS),
+        help="json: one object a line with the request's ids; text: for a terminal",
+    )
     return parser.parse_args(argv)
 
 
@@ -87,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     from channels_redis.core import RedisChannelLayer
 
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    configure_logging(args.log_format)  # under `manage.py runnode`, Django's LOGGING already is
+    node_metrics = metrics.NodeMetrics()
+    if args.metrics_port:
+        metrics.serve(node_metrics, args.metrics_host, args.metrics_port)
     engine = LLMEngine(
         EngineConfig(
             model=args.source or args.model,
@@ -110,10 +129,20 @@ def main(argv: list[str] | None = None) -> int:
             engine.runner.kv_buffer, kv_layout_of(engine, args.model), host=args.kv_host
         )
     if args.role == "prefill":
-        node = PrefillNode(engine, args.model, args.node_id, broker, transfer, heartbeat)
+        node = PrefillNode(
+            engine, args.model, args.node_id, broker, transfer, heartbeat, metrics=node_metrics
+        )
     else:
         node = Node(
-            engine, args.model, args.node_id, broker, publisher, heartbeat, args.role, transfer
+            engine,
+            args.model,
+            args.node_id,
+            broker,
+            publisher,
+            heartbeat,
+            args.role,
+            transfer,
+            metrics=node_metrics,
         )
     stop = threading.Event()
 

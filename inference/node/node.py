@@ -37,6 +37,7 @@ from inference.engine.llm_engine import LLMEngine
 from inference.engine.outputs import RequestOutput, Timings
 from inference.engine.sampling_params import SamplingParams
 from inference.errors import InvalidRequestError, RequestExpiredError
+from inference.node.metrics import NodeMetrics
 from inference.node.state import Heartbeats, engine_state
 from inference.protocol.delta_publisher import DeltaPublisher
 from inference.protocol.disagg import disagg_counters
@@ -47,6 +48,7 @@ from inference.protocol.keyed_messages import (
     enqueue_results,
     message_key,
 )
+from inference.protocol.logs import bind_log_context, log_context
 from inference.protocol.messages import (
     ABORT_ACTOR,
     CONTROLPLANE_QUEUE,
@@ -119,6 +121,7 @@ class Node:
         busy_poll_ms: int = 20,
         report_ms: int = 50,
         heartbeat_interval_s: float = 2.0,
+        metrics: NodeMetrics | None = None,
     ) -> None:
         self.engine = engine
         self.model = model
@@ -134,6 +137,8 @@ class Node:
             else None
         )
         self.heartbeats = Heartbeats(heartbeat, node_id, heartbeat_interval_s)
+        # Recorded whether or not anything serves them (`metrics`: the process's, if it does).
+        self.metrics = (metrics or NodeMetrics()).node(model, node_id)
         self.inflight: dict[str, _InFlight] = {}
         self._full_until_step = False
         # Engine sequence id → its request and choice index (sequence_id).
@@ -311,6 +316,8 @@ class Node:
             error=str(error),
             error_code="expired" if isinstance(error, RequestExpiredError) else None,
         ).as_message()
+        with self._log_context(request):
+            logger.warning("refused: %s", error)
         self._record(payload, message)
         if request.reply_channel and self.publisher:
             self.publisher.send(
@@ -322,10 +329,11 @@ class Node:
     # ---- running ----------------------------------------------------------------------------
     def step(self) -> None:
         self._full_until_step = False
-        for output in self.engine.step():
+        for output in self.metrics.timed_step(self.engine):
             found = self.sequences.get(output.request_id)
             if found is not None:
-                self._handle(*found, output)
+                with self._log_context(found[0].request):
+                    self._handle(*found, output)
         if self.remote is not None:
             self.remote.send_requests()
         self.record_finished()
@@ -379,6 +387,15 @@ class Node:
         if any(c.finish_reason is None for c in flight.choices):
             return
         payload = self._payload(flight)
+        self.metrics.finished(flight.output.timings)
+        usage = payload["usage"]
+        logger.info(
+            "finished: %s, %d prompt tokens (%d cached), %d completion tokens",
+            payload["finish_reason"],
+            usage["prompt_tokens"],
+            usage["cached_tokens"],
+            usage["completion_tokens"],
+        )
         # The waiting client first: the send is scheduled on the publisher's thread, while the
         # record is a broker round trip (the ack, after it, still waits for the record).
         if channel and self.publisher:
@@ -503,7 +520,8 @@ class Node:
             if message.actor_name == ABORT_ACTOR and isinstance(body, dict):
                 request_id = body.get("request_id")
                 if request_id in self.inflight and self._abort(request_id):
-                    logger.info("aborted %s at the control plane's request", request_id)
+                    with self._log_context(self.inflight[request_id].request):
+                        logger.info("aborted %s at the control plane's request", request_id)
             elif (
                 message.actor_name == PREFILL_DONE_ACTOR
                 and isinstance(body, dict)
@@ -565,7 +583,12 @@ class Node:
         only that the node is alive (the sweeper must not take its running requests away)."""
         self.heartbeats.beat(self._state, force)
 
+    def _log_context(self, request: GenerationRequest):
+        """The log context of `request`'s handling (inference/protocol/logs.py)."""
+        return log_context(request_id=request.request_id, job_id=request.job_id, org=request.org)
+
     def _state(self) -> dict[str, Any] | None:
+        self.metrics.engine_stats(self.engine.stats())  # the heartbeat's figures, for /metrics
         if self.draining:
             return None
         return engine_state(
@@ -582,6 +605,7 @@ class Node:
         """Serve until `stop` is set, or after `drain()` until every request taken is reported
         and acked. At `stop`, unfinished requests are aborted and left unacked, so the broker
         redelivers them to another node. Either way the node leaves the registry."""
+        bind_log_context(node=self.node_id)  # every line of this thread names the node
         self.beat(force=True)
         broker_down = False
         while not stop.is_set():

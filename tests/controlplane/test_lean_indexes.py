@@ -38,6 +38,8 @@ def test_the_jobs_table_keeps_the_indexes_its_queries_use_and_no_duplicate():
             "(batch_id)",
             "(org_id, created DESC, id DESC)",
             "(status, model, created)",
+            "(org_id, finished_at) INCLUDE (ttft_s, tpot_s, queue_wait_s)"
+            " WHERE (finished_at IS NOT NULL)",
         ]
     )
 

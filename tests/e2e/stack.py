@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from deploy.procfile import command_argv, read_procfile
@@ -26,14 +28,15 @@ def free_port() -> int:
 
 
 class ProductionStack:
-    """Start each process with its `start_…`, stop them all with `stop()`; `output()` returns a
-    process's log. `env` is every process's environment: the Procfile's variables are the
-    stack's (a free port, small pools, a small KV cache), and a test may change any before it
-    starts a process."""
+    """Start each process with its `start_…`, stop them all with `stop()`; `output()` returns the
+    end of a process's log, `log()` all of it. `env` is every process's environment: the
+    Procfile's variables are the stack's (a free port, small pools, a small KV cache, the worker's
+    /metrics on a free port), and a test may change any before it starts a process."""
 
     def __init__(self, database_url: str, redis_url: str, namespace: str, log_dir: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.worker_metrics_port = free_port()  # the worker's /metrics
         self.log_dir = log_dir
         self.env = {
             **os.environ,
@@ -56,6 +59,7 @@ class ProductionStack:
             "HEARTH_NODE_ROLE": "unified",
             "HEARTH_NODE_KV_HOST": "127.0.0.1",
             "HEARTH_NODE_KV_WAIT_S": "30",
+            "HEARTH_WORKER_METRICS_PORT": str(self.worker_metrics_port),
         }
         self.processes: dict[str, subprocess.Popen] = {}
 
@@ -162,8 +166,12 @@ class ProductionStack:
                 process.wait()
 
     def output(self, name: str) -> str:
+        return self.log(name)[-4000:]
+
+    def log(self, name: str) -> str:
+        """Everything process `name` wrote so far (stdout and stderr)."""
         path = self.log_dir / f"{name}.log"
-        return path.read_text()[-4000:] if path.exists() else ""
+        return path.read_text() if path.exists() else ""
 
     def outputs(self) -> str:
         return "\n".join(f"--- {name}\n{self.output(name)}" for name in self.processes)
@@ -256,32 +264,27 @@ class EmbeddedServer:
             raise RuntimeError(f"manage.py {argv[0]} failed:\n{done.stdout}\n{done.stderr}")
         return done.stdout
 
-    def start(self, timeout_s: float = 120) -> None:
-        self.manage("migrate", "-v0")
-        demo = self.manage("demo", "--url", self.url)
+    def start(self, timeout_s: float = 120, setup: str = "") -> None:
+        """Migrate, create the demo org and key, add the tiny model (the only one enabled: the
+        demo's SmolLM2 would take the node seconds to load) and run `setup` (more Python, with
+        Django set up), all in one `manage.py shell` (each manage.py start costs seconds); then
+        start `serve` and wait until it answers."""
+        script = "\n".join(
+            [
+                "from django.core.management import call_command",
+                "from controlplane.catalog.models import ServedModel",
+                "call_command('migrate', verbosity=0)",
+                f"call_command('demo', '--url', {self.url!r})",
+                f"call_command('addmodel', {self.model_id!r}, '--source', "
+                f"{str(self.model_source)!r}, '--context-length', '256', '--input', '0.60', "
+                "'--cached-input', '0.10', '--output', '3.00')",
+                f"ServedModel.objects.exclude(id={self.model_id!r}).update(enabled=False)",
+                setup,
+            ]
+        )
+        prepared = self.manage("shell", "-c", script)
         self.api_key = next(
-            line.split()[-1] for line in demo.splitlines() if line.startswith("API key:")
-        )
-        self.manage(
-            "addmodel",
-            self.model_id,
-            "--source",
-            str(self.model_source),
-            "--context-length",
-            "256",
-            "--input",
-            "0.60",
-            "--cached-input",
-            "0.10",
-            "--output",
-            "3.00",
-        )
-        # Only the tiny model: the demo's SmolLM2 would take the node seconds to load.
-        self.manage(
-            "shell",
-            "-c",
-            "from controlplane.catalog.models import ServedModel; "
-            f"ServedModel.objects.exclude(id={self.model_id!r}).update(enabled=False)",
+            line.split()[-1] for line in prepared.splitlines() if line.startswith("API key:")
         )
         log = open(self.data_dir / "serve.log", "w")  # noqa: SIM115 (closed with the process)
         self.process = subprocess.Popen(
@@ -318,3 +321,18 @@ class EmbeddedServer:
     def output(self) -> str:
         path = self.data_dir / "serve.log"
         return path.read_text()[-4000:] if path.exists() else ""
+
+
+@contextmanager
+def embedded_server(
+    data_dir: Path, model_source: Path, *serve_args: str, setup: str = "", **env: str
+) -> Iterator[EmbeddedServer]:
+    """An `EmbeddedServer` of the tiny model as `tiny`, with `env` added and `setup` run before it
+    starts (`EmbeddedServer.start`); stopped, and waited for, on the way out."""
+    running = EmbeddedServer(data_dir, "tiny", model_source, *serve_args)
+    running.env.update(env)
+    try:
+        running.start(setup=setup)  # raises with serve's output if it does not come up
+        yield running
+    finally:
+        running.stop()

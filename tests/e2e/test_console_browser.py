@@ -4,13 +4,11 @@ with the `openai` SDK appear in the jobs table and turn completed, live, without
 
 from __future__ import annotations
 
-import subprocess
-
 import openai
 import pytest
 
 from tests.e2e.browser import sign_in
-from tests.e2e.stack import ROOT, EmbeddedServer
+from tests.e2e.stack import ROOT, embedded_server
 from tests.e2e.user_path import get_json
 
 SCREENSHOT = ROOT / "tests" / "artifacts" / "console-jobs.png"
@@ -29,19 +27,9 @@ new MutationObserver(() => {
 
 @pytest.fixture
 def server(tmp_path, tiny_llama_dir):
-    """Embedded Hearth serving only the tiny model; stopped (and waited for) on teardown."""
-    running = EmbeddedServer(tmp_path, "tiny", tiny_llama_dir)
-    try:
-        running.start()  # raises with serve's output if it does not come up
+    """Embedded Hearth serving only the tiny model."""
+    with embedded_server(tmp_path, tiny_llama_dir) as running:
         yield running
-    finally:
-        running.stop()
-        if running.process is not None:
-            try:
-                running.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                running.process.kill()
-                running.process.wait()
 
 
 def cell_texts(page, row_selector: str) -> list[str]:

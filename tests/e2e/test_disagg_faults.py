@@ -161,7 +161,7 @@ def test_prefill_nodes_killed_mid_prefill_leave_every_job_to_another_prefill_nod
         # Killed mid-transfer and its answer lost: prefill-b is killed as soon as it starts.
         more = submit(stack, acme_key, model, 6, first=100)
         wait_for(
-            lambda: stack.output("node-prefill-b").count("prefilling") > len(jobs),
+            lambda: stack.log("node-prefill-b").count("prefilling") > len(jobs),
             what="prefill-b taking a new prompt",
         )
         stack.processes["node-prefill-b"].send_signal(signal.SIGKILL)
@@ -186,7 +186,7 @@ def test_a_decode_node_killed_while_it_awaits_kv_and_while_it_decodes_loses_noth
         chats = submit(stack, acme_key, model, 8, first=200, words=2, max_tokens=200)
         first = submit(stack, acme_key, model, 4, first=300, words=34, max_tokens=48)
         wait_for(
-            lambda: stack.output("node-prefill-a").count("prefilling") >= 4,
+            lambda: stack.log("node-prefill-a").count("prefilling") >= 4,
             what="the first prompts prefilled",
         )
         stack.processes["node-prefill-a"].send_signal(signal.SIGSTOP)

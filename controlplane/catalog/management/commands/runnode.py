@@ -4,8 +4,11 @@
 The node itself (`inference.node`) needs no Django; this command only looks the model's weights
 up in the catalog and passes the broker and Redis settings on, and the node's role: `unified`
 (prefill and decode), or one side of disaggregated serving (controlplane/catalog/registry.py).
+`--metrics-port` (default HEARTH_NODE_METRICS_PORT; unset or 0: none) serves the node's own
+`/metrics` (inference/node/metrics.py); its log follows the settings' LOGGING (HEARTH_LOG_FORMAT).
 """
 
+import os
 from typing import Any
 
 from django.conf import settings
@@ -29,6 +32,9 @@ class Command(BaseCommand):
         parser.add_argument("--kv-cache-mb", type=int, default=512)
         parser.add_argument("--kv-host", default="127.0.0.1")
         parser.add_argument("--kv-wait-s", type=float, default=30.0)
+        parser.add_argument(
+            "--metrics-port", type=int, default=int(os.environ.get("HEARTH_NODE_METRICS_PORT") or 0)
+        )
 
     def handle(self, *args, **options):
         model = ServedModel.objects.filter(id=options["model"], enabled=True).first()
@@ -75,4 +81,6 @@ def node_argv(model: ServedModel, options: dict[str, Any]) -> list[str]:
     ]
     if options["node_id"]:
         argv += ["--node-id", options["node_id"]]
+    if options.get("metrics_port"):
+        argv += ["--metrics-port", str(options["metrics_port"])]
     return argv
