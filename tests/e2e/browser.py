@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -68,3 +69,18 @@ def sign_in(page, base_url: str, path: str, username: str, password: str) -> Non
     page.fill("#id_password", password)
     page.click("#login-form button[type=submit]")
     page.wait_for_url(f"{base_url}{path}")
+
+
+@contextmanager
+def recorded(page, screenshot: Path, log: list[str], output) -> Iterator[None]:
+    """Run a browser test's steps: on failure print the page's console log and `output()` (the
+    server's), and in any case save a full-page screenshot to `screenshot`."""
+    try:
+        yield
+    except BaseException:
+        print("--- browser console\n" + "\n".join(log))
+        print(f"--- server output\n{output()}")
+        raise
+    finally:
+        screenshot.parent.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(screenshot), full_page=True)

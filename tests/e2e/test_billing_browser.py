@@ -13,7 +13,7 @@ from django.contrib.auth import get_user_model
 from controlplane.accounts.models import Membership, Org
 from controlplane.billing.models import UsageRecord
 from controlplane.billing.pricing import decimal_string
-from tests.e2e.browser import open_page, sign_in
+from tests.e2e.browser import open_page, recorded, sign_in
 from tests.e2e.stack import ROOT
 from tests.e2e.user_path import wait_for
 
@@ -56,7 +56,7 @@ def test_the_billing_page_shows_the_ledger(stack, tiny_model, acme_key, browser_
 
 
 def check_page(page, stack, model_id, total, savings, rows, browser_log) -> None:
-    try:
+    with recorded(page, SCREENSHOT, browser_log, stack.outputs):
         sign_in(page, stack.url, "/console/billing", "alice", "alice-password")
 
         text = page.inner_text
@@ -78,10 +78,3 @@ def check_page(page, stack, model_id, total, savings, rows, browser_log) -> None
         assert text("#budget-reserved") == "$0"
         # This month's draft invoice totals the ledger.
         assert text("#invoices td.total") == decimal_string(total)
-    except BaseException:
-        print("--- browser console\n" + "\n".join(browser_log))
-        print(stack.outputs())
-        raise
-    finally:
-        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(SCREENSHOT), full_page=True)

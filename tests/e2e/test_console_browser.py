@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.e2e.browser import sign_in
+from tests.e2e.browser import recorded, sign_in
 from tests.e2e.stack import ROOT, embedded_server
 from tests.e2e.user_path import get_json
 
@@ -37,7 +37,7 @@ def cell_texts(page, row_selector: str) -> list[str]:
 
 
 def test_it_shows_a_job_from_the_api_completing_live(server, page, browser_log):
-    try:
+    with recorded(page, SCREENSHOT, browser_log, server.output):
         # Signed out, the console sends the browser to its login form, and back after it.
         sign_in(page, server.url, "/console/keys", "demo", "demo-password")
 
@@ -93,10 +93,3 @@ def test_it_shows_a_job_from_the_api_completing_live(server, page, browser_log):
             job["node"],
         ]
         assert page.locator("#jobs tbody tr").first.get_attribute("id") == f"job-{job_id}"
-    except BaseException:
-        print(f"--- manage.py serve output\n{server.output()}")
-        print("--- browser console\n" + "\n".join(browser_log))
-        raise
-    finally:
-        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(SCREENSHOT), full_page=True)

@@ -15,7 +15,7 @@ import numpy
 import openai
 import pytest
 
-from tests.e2e.browser import sign_in
+from tests.e2e.browser import recorded, sign_in
 from tests.e2e.stack import ROOT, embedded_server
 from tests.e2e.user_path import get_json, wait_for
 
@@ -60,7 +60,7 @@ def settled_ttfts(server) -> list[float]:
 
 
 def test_the_dashboard_shows_the_ledgers_figures(server, page, browser_log):
-    try:
+    with recorded(page, SCREENSHOT, browser_log, server.output):
         # Signed out, the console sends the browser to its login form, and back to the dashboard.
         sign_in(page, server.url, "/console/", "demo", "demo-password")
         assert page.inner_text("h1").startswith("Dashboard")
@@ -128,10 +128,3 @@ def test_the_dashboard_shows_the_ledgers_figures(server, page, browser_log):
         shown_p50 = float(value(page, "sum-hour-ttft_p50"))
         assert shown_p50 == pytest.approx(float(numpy.percentile(ttfts, 50)))
         assert page.inner_text("#sum-hour-ttft_p50").endswith("ms")
-    except BaseException:
-        print(f"--- manage.py serve output\n{server.output()}")
-        print("--- browser console\n" + "\n".join(browser_log))
-        raise
-    finally:
-        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(SCREENSHOT), full_page=True)

@@ -12,7 +12,7 @@ from decimal import Decimal
 
 import pytest
 
-from tests.e2e.browser import open_page, sign_in
+from tests.e2e.browser import open_page, recorded, sign_in
 from tests.e2e.stack import ROOT, EmbeddedServer, embedded_server
 from tests.e2e.user_path import get_json
 
@@ -84,7 +84,7 @@ def test_a_three_turn_conversation_streams_and_shows_what_the_ledger_billed(serv
 
 def converse(page, server: EmbeddedServer, browser_log: list[str]) -> list[dict]:
     """Three turns in the page; what each turn shows."""
-    try:
+    with recorded(page, SCREENSHOT, browser_log, server.output):
         sign_in(page, server.url, "/console/playground", "demo", "demo-password")
         page.select_option("#model", "tiny")
         page.fill("#system", SYSTEM)
@@ -139,13 +139,6 @@ def converse(page, server: EmbeddedServer, browser_log: list[str]) -> list[dict]
         assert page.input_value("#message") == "One more?"
         assert page.locator("#transcript .turn").count() == 3
         return turns
-    except BaseException:
-        print(f"--- manage.py serve output\n{server.output()}")
-        print("--- browser console\n" + "\n".join(browser_log))
-        raise
-    finally:
-        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(SCREENSHOT), full_page=True)
 
 
 def repr_json(text: str) -> str:
