@@ -11,3 +11,13 @@ def tiny_llama_dir(tmp_path_factory):
     from tests.inference.tiny_models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-cp"), "llama")
+
+
+@pytest.fixture
+def receiver():
+    """A local webhook receiver (tests/webhook_receiver.py), closed after the test."""
+    from tests.webhook_receiver import Receiver
+
+    receiver = Receiver()
+    yield receiver
+    receiver.close()

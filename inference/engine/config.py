@@ -25,6 +25,12 @@ class EngineConfig:
     `kv_wait_s`, `kv_remote_attempts`, `kv_hold_grace_s`: disaggregated prefill (Scheduler);
     `quantization="int4"` stores the decoder's projection weights in 4 bits (bfloat16 on the CPU
     only): single-sequence decoding, bound by reading the weights, reads a quarter of the bytes.
+
+    `tensor_parallel` > 1 serves the model from a group of that many ranks, this process being
+    rank 0 (docs/parallelism.md); `expert_parallel` is 1 (each expert split like a dense MLP) or
+    the group's size (each rank holds whole experts); `distributed_backend` is None for gloo on
+    the CPU, nccl on CUDA; `distributed_timeout_s` bounds how long rank 0 waits on a collective
+    or a follower before the step fails. `kv_cache_memory_bytes` is each rank's budget.
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -45,6 +51,10 @@ class EngineConfig:
     kv_wait_s: float = 30.0
     kv_remote_attempts: int = 2
     kv_hold_grace_s: float = 5.0
+    tensor_parallel: int = 1
+    expert_parallel: int = 1
+    distributed_backend: str | None = None
+    distributed_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -64,7 +74,34 @@ class EngineConfig:
             raise ValueError("quantization='int4' needs dtype bfloat16 on the CPU")
         if self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be at least 1, got {self.tensor_parallel}")
+        if self.expert_parallel not in (1, self.tensor_parallel):
+            raise ValueError(
+                f"expert_parallel must be 1 or tensor_parallel ({self.tensor_parallel}), "
+                f"got {self.expert_parallel}"
+            )
+        if self.distributed_backend not in (None, "gloo", "nccl"):
+            raise ValueError(
+                "distributed_backend must be None, 'gloo' or 'nccl', "
+                f"got {self.distributed_backend!r}"
+            )
+        if self.distributed_backend == "nccl" and not self.device.startswith("cuda"):
+            raise ValueError("distributed_backend='nccl' needs a CUDA device")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError("distributed_timeout_s must be positive")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def backend(self) -> str:
+        """The torch.distributed backend of a group: as set, else nccl on CUDA, gloo on the CPU."""
+        if self.distributed_backend is not None:
+            return self.distributed_backend
+        return "nccl" if self.device.startswith("cuda") else "gloo"
+
+    def rank_device(self, rank: int) -> str:
+        """The device rank `rank` of a group runs on: its own GPU on CUDA (`cuda:rank`)."""
+        return f"cuda:{rank}" if self.device.startswith("cuda") else self.device

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from inference.distributed.group import RankGroup
+from inference.distributed.parallel import Parallel
 from inference.engine.block_manager import BlockManager
 from inference.engine.config import EngineConfig
 from inference.engine.detokenizer import IncrementalDetokenizer
@@ -35,6 +37,10 @@ class LLMEngine:
     `add_request` queues a tokenized prompt; each `step()` runs one batch and returns a
     `RequestOutput` for every request that produced text or finished (including requests that
     were aborted or passed their deadline since the last step).
+
+    With `tensor_parallel` > 1 this process is rank 0 of a group (docs/parallelism.md): it
+    starts the other ranks, decides every step and samples; `close()` stops them. A rank that
+    dies makes `step()` raise `GroupFailure`, and the engine is done.
     """
 
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
@@ -46,8 +52,12 @@ class LLMEngine:
         self.tokenizer = Tokenizer(directory)
         model_len = self.model_config.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or model_len, model_len)
+        parallel = Parallel(0, self.config.tensor_parallel, self.config.expert_parallel)
+        if parallel.expert_parallel > 1 and self.model_config.moe is None:
+            raise ValueError("expert_parallel > 1 needs a mixture-of-experts model")
+        # Rank 0 decides the block count for the whole group, from one rank's share of the KV.
         num_blocks = self.config.num_kv_blocks or num_blocks_for_budget(
-            self.model_config,
+            self.model_config.for_rank(parallel),
             self.config.torch_dtype,
             self.config.block_size,
             self.config.kv_cache_memory_bytes,
@@ -68,9 +78,26 @@ class LLMEngine:
             kv_hold_grace_s=self.config.kv_hold_grace_s,
             kv_remote_attempts=self.config.kv_remote_attempts,
         )
-        self.runner = ModelRunner(
-            self.config, self.model_config, directory, num_blocks, self.max_model_len
-        )
+        self.group: RankGroup | None = None
+        if parallel.distributed:
+            self.group = RankGroup(
+                self.config, self.model_config, directory, num_blocks, self.max_model_len
+            )
+        try:
+            self.runner = ModelRunner(
+                self.config,
+                self.model_config,
+                directory,
+                num_blocks,
+                self.max_model_len,
+                parallel,
+                self.group,
+            )
+            if self.group is not None:
+                self.group.wait_ready()
+        except BaseException:
+            self.close()
+            raise
         self.sequences: dict[str, Sequence] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.logprobs: dict[str, list[TokenLogprob]] = {}
@@ -296,6 +323,12 @@ class LLMEngine:
         prefix-aware routing: the gateway computes a prompt's hashes with
         `compute_block_hashes`; BlockManager.cached_block_hashes says which come first)."""
         return self.block_manager.cached_block_hashes(limit)
+
+    def close(self) -> None:
+        """Stop the group's other ranks and leave the group (an engine of one rank holds
+        nothing to release). The engine takes no more steps after it."""
+        if self.group is not None:
+            self.group.close()
 
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -1,12 +1,20 @@
-"""Runs one scheduled step through the model: flatten the batch, forward, sample."""
+"""Runs one scheduled step through the model: flatten the batch, forward, sample.
+
+In a group (docs/parallelism.md) rank 0's runner sends each flattened step to the followers
+before its own forward, and only it samples; a follower's runner runs the steps it receives
+(`execute`).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 import kernels as ops
+from inference.distributed.parallel import Parallel
 from inference.engine.config import EngineConfig
 from inference.engine.kv_cache import allocate_kv_buffer, layer_caches
 from inference.engine.outputs import TokenLogprob
@@ -18,9 +26,26 @@ from inference.models.loader import load_weights
 from inference.models.model_config import ModelConfig
 from inference.structured.grammar import GrammarCompiler
 
+if TYPE_CHECKING:
+    from inference.distributed.group import RankGroup
+
+
+@dataclass
+class FlatStep:
+    """One step's batch, flattened: everything a rank's forward reads, and nothing of the
+    scheduler's state. `sample_rows` are the rows whose logits are computed and sampled."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    sample_rows: list[int]
+
 
 class ModelRunner:
-    """Owns the model weights and the KV cache tensors."""
+    """Owns the model weights (this rank's share of them) and the KV cache tensors."""
 
     def __init__(
         self,
@@ -29,16 +54,26 @@ class ModelRunner:
         directory: Path,
         num_blocks: int,
         max_model_len: int,
+        parallel: Parallel | None = None,
+        group: RankGroup | None = None,
     ) -> None:
         self.config = config
         self.block_size = config.block_size
-        self.device = torch.device(config.device)
+        self.parallel = parallel or Parallel.single()
+        self.group = group
+        self.device = torch.device(config.rank_device(self.parallel.rank))
         with torch.inference_mode():
-            self.model = DecoderModel(model_config, config.torch_dtype, max_model_len)
+            self.model = DecoderModel(
+                model_config, config.torch_dtype, max_model_len, self.parallel
+            )
             load_weights(self.model, directory)
             self.model.pack_weights(config.quantization)
         self.kv_buffer = allocate_kv_buffer(
-            model_config, config.torch_dtype, num_blocks, config.block_size, config.device
+            model_config.for_rank(self.parallel),
+            config.torch_dtype,
+            num_blocks,
+            config.block_size,
+            str(self.device),
         )
         self.kv_caches = layer_caches(self.kv_buffer)
 
@@ -51,44 +86,53 @@ class ModelRunner:
 
         Returns the sampling sequences with their new token ids and logprobs.
         """
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_lens: list[int] = []
-        context_lens: list[int] = []
-        block_tables: list[list[int]] = []
-        sample_rows: list[int] = []
+        step, sampling = self.flatten(scheduled)
+        # In a group, the followers are sent the step before this rank executes it.
+        logits = self.execute(step) if self.group is None else self.group.run(step, self.execute)
+        if logits is None:
+            return [], [], []
+        token_ids, logprobs = sample(logits.cpu(), sampling, grammars)
+        return sampling, token_ids, logprobs
+
+    def flatten(self, scheduled: list[ScheduledSequence]) -> tuple[FlatStep, list[Sequence]]:
+        """The step's flat batch, and the sequences that sample (in `sample_rows` order)."""
+        step = FlatStep([], [], [], [], [], [], [])
         sampling: list[Sequence] = []
         bs = self.block_size
         for item in scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
+            step.input_ids.extend(seq.token_ids[start:end])
+            step.positions.extend(range(start, end))
             table = seq.block_table
-            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            query_lens.append(item.num_new_tokens)
-            context_lens.append(end)
-            block_tables.append(table)
+            step.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            step.query_lens.append(item.num_new_tokens)
+            step.context_lens.append(end)
+            step.block_tables.append(table)
             if end == seq.num_tokens and not seq.prefill_only:
-                sample_rows.append(len(input_ids) - 1)
+                step.sample_rows.append(len(step.input_ids) - 1)
                 sampling.append(seq)
-        position_ids = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return step, sampling
+
+    @torch.inference_mode()
+    def execute(self, step: FlatStep) -> torch.Tensor | None:
+        """The forward over `step`, writing its KV; the float32 logits of its sampling rows
+        ([rows, vocab]), or None when none samples. Every rank of a group runs it on the same
+        step, so that the model's collectives pair up."""
+        position_ids = torch.tensor(step.positions, dtype=torch.long, device=self.device)
         rotary_cos, rotary_sin = self.model.rotary_tables(position_ids)
         batch = ForwardBatch(
             positions=position_ids,
             rotary_cos=rotary_cos,
             rotary_sin=rotary_sin,
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
+            slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.long, device=self.device),
             attention=ops.build_paged_attention_batch(
-                block_tables, query_lens, context_lens, bs, self.device
+                step.block_tables, step.query_lens, step.context_lens, self.block_size, self.device
             ),
         )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
         hidden = self.model.forward(ids, batch, self.kv_caches)
-        if not sampling:
-            return [], [], []
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
-        token_ids, logprobs = sample(logits.cpu(), sampling, grammars)
-        return sampling, token_ids, logprobs
+        if not step.sample_rows:
+            return None
+        rows = torch.tensor(step.sample_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, rows))

@@ -4,6 +4,12 @@ Attention (`MLAttention`); its MLP is dense (`DenseMLP`) or sparse (`SparseMoE`)
 says. The model file reads like the papers; every computation is a named op in `kernels`.
 
 Weights are plain tensors: the engine never trains, so there is no autograd state to carry.
+
+Across a group of ranks (`Parallel`) every layer holds its rank's share and ends in one
+all-reduce, so every rank holds the whole hidden state between layers and `forward` returns it
+whole on every rank. The embedding and the LM head are split by vocabulary (`sharding.vocab_share`):
+a rank embeds the tokens of its share (zero rows for the others) and an all-reduce sums them; its
+logits of its share are gathered from every rank into the full vocabulary.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from dataclasses import dataclass
 import torch
 
 import kernels as ops
+from inference.distributed.parallel import Parallel
+from inference.distributed.sharding import Slices, vocab_share
 from inference.models.checkpoint import Checkpoint
 from inference.models.llama import LlamaAttention
 from inference.models.mla import MLAttention
@@ -35,27 +43,44 @@ class ForwardBatch:
 class DecoderLayer:
     """One pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(x))."""
 
-    def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ModelConfig, index: int, dtype: torch.dtype, parallel: Parallel
+    ) -> None:
         hidden = config.hidden_size
         self.input_norm = torch.ones(hidden, dtype=dtype)
         self.post_attention_norm = torch.ones(hidden, dtype=dtype)
-        self.attention = (
-            MLAttention(config, dtype) if config.mla is not None else LlamaAttention(config, dtype)
-        )
+        attention = MLAttention if config.mla is not None else LlamaAttention
+        self.attention = attention(config, dtype, parallel)
         if config.moe is not None and config.moe.is_sparse(index):
-            self.mlp = SparseMoE(config.moe, hidden, dtype)
+            self.mlp = SparseMoE(config.moe, hidden, dtype, parallel)
         else:
-            self.mlp = DenseMLP(hidden, config.intermediate_size, dtype)
+            self.mlp = DenseMLP(hidden, config.intermediate_size, dtype, parallel)
+
+
+_ONE_DEVICE = Parallel.single()
 
 
 class DecoderModel:
-    """Embedding, decoder layers, final norm and LM head."""
+    """Embedding, decoder layers, final norm and LM head: on one device, or the share of one
+    rank of `parallel` (whose KV cache is shaped by `kv_config`)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        max_positions: int,
+        parallel: Parallel = _ONE_DEVICE,
+    ) -> None:
         self.config = config
         self.dtype = dtype
-        self.embed_tokens = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = [DecoderLayer(config, index, dtype) for index in range(config.num_layers)]
+        self.parallel = parallel
+        self.kv_config = config.for_rank(parallel)
+        self.vocab = vocab_share(config.vocab_size, parallel)
+        # Zeros: a padded share's rows past the vocabulary embed and score nothing.
+        self.embed_tokens = torch.zeros(self.vocab.size, config.hidden_size, dtype=dtype)
+        self.layers = [
+            DecoderLayer(config, index, dtype, parallel) for index in range(config.num_layers)
+        ]
         self.sparse_layers = [
             layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)
         ]
@@ -63,7 +88,7 @@ class DecoderModel:
         self.lm_head = (
             self.embed_tokens
             if config.tie_word_embeddings
-            else torch.empty(config.vocab_size, config.hidden_size, dtype=dtype)
+            else torch.zeros(self.vocab.size, config.hidden_size, dtype=dtype)
         )
         self.cos_cache, self.sin_cache = ops.build_cos_sin_cache(
             config.inv_freq, max_positions, config.attention_scaling
@@ -72,9 +97,10 @@ class DecoderModel:
     def forward(
         self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches: list
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm for the flattened batch `input_ids`;
-        `kv_caches` holds each layer's cache (`inference.engine.kv_cache.layer_caches`)."""
-        hidden = self.embed_tokens.index_select(0, input_ids)
+        """Hidden states [T, hidden] after the final norm for the flattened batch `input_ids`
+        (whole on every rank); `kv_caches` holds each layer's cache
+        (`inference.engine.kv_cache.layer_caches`, shaped by `kv_config`)."""
+        hidden = self._embed(input_ids)
         eps = self.config.rms_norm_eps
         residual = hidden
         hidden, _ = ops.rms_norm(hidden, self.layers[0].input_norm, eps)
@@ -87,23 +113,41 @@ class DecoderModel:
         hidden, _ = ops.rms_norm(hidden, self.norm, eps, residual)
         return hidden
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.parallel.distributed:
+            return self.embed_tokens.index_select(0, input_ids)
+        local = input_ids - self.vocab.start
+        elsewhere = (local < 0) | (local >= self.vocab.stop - self.vocab.start)
+        rows = self.embed_tokens.index_select(0, local.masked_fill(elsewhere, 0))
+        return self.parallel.all_reduce(rows.masked_fill_(elsewhere.unsqueeze(1), 0))
+
     def rotary_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token rotary tables for one step, shared by every layer."""
         return ops.rotary_cos_sin(self.cos_cache, self.sin_cache, positions, self.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [N, vocab] for the rows of `hidden` that sample a token."""
-        return ops.linear(hidden, self.lm_head).float()
+        """Float32 logits [N, vocab] for the rows of `hidden` that sample a token (the whole
+        vocabulary on every rank: each rank's share gathered, the padding cut off)."""
+        logits = ops.linear(hidden, self.lm_head).float()
+        if not self.parallel.distributed:
+            return logits
+        logits = self.parallel.all_gather(logits)
+        vocab_size = self.config.vocab_size
+        return logits if logits.shape[1] == vocab_size else logits[:, :vocab_size].contiguous()
 
     def load(self, checkpoint: Checkpoint) -> None:
-        """Copy a checkpoint's weights (Hugging Face names, `model.` prefix removed) in."""
+        """Read a checkpoint's weights (Hugging Face names, `model.` prefix removed): this rank's
+        share of each (`Parallel.single()`: the whole)."""
         family = self.config.architecture
-        self.embed_tokens.copy_(checkpoint.take("embed_tokens.weight"))
+        vocab = Slices.of(0, (self.vocab.start, self.vocab.stop))
+        rows = self.vocab.stop - self.vocab.start
+        self.embed_tokens[:rows].copy_(checkpoint.take("embed_tokens.weight", part=vocab))
         self.norm.copy_(checkpoint.take("norm.weight"))
         if not self.config.tie_word_embeddings:
-            self.lm_head.copy_(checkpoint.take("lm_head.weight"))
+            self.lm_head[:rows].copy_(checkpoint.take("lm_head.weight", part=vocab))
         else:
-            checkpoint.take_optional("lm_head.weight")
+            # A tied checkpoint may store the head too: the same weights, left unread.
+            checkpoint.discard("lm_head.weight")
         for index, layer in enumerate(self.layers):
             prefix = f"layers.{index}."
             layer.input_norm.copy_(checkpoint.take(prefix + "input_layernorm.weight"))

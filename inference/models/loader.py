@@ -19,13 +19,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from inference.errors import ModelLoadError
 from inference.models.checkpoint import Checkpoint
 from inference.models.decoder import DecoderModel
-from inference.models.quantization import dequantize_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -161,43 +159,33 @@ def gguf_to_hf_directory(path: Path, cache_dir: Path | None = None) -> Path:
     return target
 
 
-def load_weights(model: DecoderModel, directory: Path) -> None:
-    """Copy the safetensors weights of `directory` into `model`: quantized checkpoints (FP8
-    block-wise, compressed-tensors INT4) dequantized to the model's dtype, a multimodal
-    checkpoint's language model taken and its vision tower left out (logged; image input is
-    refused by the API), and any weight the model did not ask for reported."""
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                tensors[_text_model_name(name)] = f.get_tensor(name)
+def load_weights(model: DecoderModel, directory: Path) -> Checkpoint:
+    """Read the safetensors weights of `directory` into `model`, only the slices its rank keeps
+    (`model.parallel`): quantized checkpoints (FP8 block-wise, compressed-tensors INT4)
+    dequantized to the model's dtype, a multimodal checkpoint's language model taken and its
+    vision tower left out (logged; image input is refused by the API), and any weight the model
+    did not ask for reported. Returns the checkpoint, whose `reads` say what was read."""
     config = json.loads((directory / "config.json").read_text())
     quantization = config.get("quantization_config") or config.get("text_config", {}).get(
         "quantization_config"
     )
-    tensors = dequantize_checkpoint(tensors, quantization, model.dtype)
-    checkpoint = Checkpoint(
-        {
-            name: tensor.to(model.dtype) if tensor.is_floating_point() else tensor
-            for name, tensor in tensors.items()
-        },
-        directory,
-    )
-    vision = [name for prefix in _VISION_PREFIXES for name in checkpoint.discard(prefix)]
-    if vision:
-        logger.warning(
-            "%s: %d vision-tower weights not loaded; the engine serves the text model only",
-            directory,
-            len(vision),
-        )
-    # DeepSeek-V3's multi-token-prediction layers (past num_hidden_layers) are for speculative
-    # decoding, which the engine does not do.
-    if model.config.mla is not None:
-        checkpoint.discard(f"layers.{model.config.num_layers}.")
-    model.load(checkpoint)
-    unused = checkpoint.unused()
+    with Checkpoint(directory, model.dtype, quantization, _text_model_name) as checkpoint:
+        vision = [name for prefix in _VISION_PREFIXES for name in checkpoint.discard(prefix)]
+        if vision:
+            logger.warning(
+                "%s: %d vision-tower weights not loaded; the engine serves the text model only",
+                directory,
+                len(vision),
+            )
+        # DeepSeek-V3's multi-token-prediction layers (past num_hidden_layers) are for speculative
+        # decoding, which the engine does not do.
+        if model.config.mla is not None:
+            checkpoint.discard(f"layers.{model.config.num_layers}.")
+        model.load(checkpoint)
+        unused = checkpoint.unused()
     if unused:
         raise ModelLoadError(f"unexpected weights in {directory}: {unused[:5]}")
+    return checkpoint
 
 
 # Kimi K2.5 (original and Hugging Face-saved names) holds its language model under a prefix.

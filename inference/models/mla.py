@@ -15,6 +15,11 @@ cache stores [c | kr] once per token and layer, not per-head keys and values
 
 The rope dimensions are rotated in DeepSeek's interleaved pairs (`rope_interleave`), the softmax
 scale carries YaRN's mscale squared (`MLAConfig.softmax_scale`).
+
+Across a group of ranks the heads are split: q_proj (or q_b_proj), kv_b_proj and so W_UK and W_UV
+hold this rank's heads, o_proj their columns (row-parallel, one all-reduce; its bias added by
+rank 0 only). The latent path (kv_a_proj, q_a_proj and their norms) is replicated, and so is the
+latent cache: every rank stores the whole [c | kr] row its heads all read.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from typing import TYPE_CHECKING
 import torch
 
 import kernels as ops
+from inference.distributed.parallel import Parallel
+from inference.distributed.sharding import Slices
 from inference.models.checkpoint import Checkpoint
 from inference.models.mlp import pack_projection
 from inference.models.model_config import ModelConfig
@@ -33,12 +40,15 @@ if TYPE_CHECKING:
 
 
 class MLAttention:
-    """One layer's MLA weights and its forward over the latent cache [blocks, block_size, R+P]."""
+    """One layer's MLA weights (this rank's heads) and its forward over the latent cache
+    [blocks, block_size, R+P]."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, parallel: Parallel) -> None:
         mla = config.mla
-        self.config, self.mla = config, mla
-        heads, hidden = config.num_heads, config.hidden_size
+        self.config, self.mla, self.parallel = config, mla, parallel
+        self.head_share = parallel.share(config.num_heads, "attention heads")
+        self.num_heads = heads = self.head_share[1] - self.head_share[0]
+        hidden = config.hidden_size
         rank, rope = mla.kv_lora_rank, mla.qk_rope_head_dim
         bias = config.attention_bias
         if mla.q_lora_rank is None:
@@ -55,7 +65,8 @@ class MLAttention:
             heads * (mla.qk_nope_head_dim + mla.v_head_dim), rank, dtype=dtype
         )
         self.o_proj = torch.empty(hidden, heads * mla.v_head_dim, dtype=dtype)
-        self.o_bias = torch.zeros(hidden, dtype=dtype) if bias else None
+        # Added once to the all-reduced sum: by rank 0.
+        self.o_bias = torch.zeros(hidden, dtype=dtype) if bias and parallel.rank == 0 else None
         # The absorbed decode's per-head halves of kv_b_proj (`absorb` fills them after load).
         self.w_uk = torch.empty(heads, mla.qk_nope_head_dim, rank, dtype=dtype)
         self.w_uv_t = torch.empty(heads, rank, mla.v_head_dim, dtype=dtype)
@@ -64,7 +75,7 @@ class MLAttention:
         self, hidden: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor
     ) -> torch.Tensor:
         config, mla = self.config, self.mla
-        eps, heads = config.rms_norm_eps, config.num_heads
+        eps, heads = config.rms_norm_eps, self.num_heads
         num_tokens = hidden.shape[0]
         q = self._query(hidden).view(num_tokens, heads, mla.qk_head_dim)
         q_nope, q_rope = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
@@ -81,7 +92,7 @@ class MLAttention:
         if num_decode < num_tokens:
             parts.append(self._prefill(q[num_decode:], latent, k_rope[:, 0], cache, batch))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return ops.linear(out, self.o_proj, self.o_bias)
+        return self.parallel.all_reduce(ops.linear(out, self.o_proj, self.o_bias))
 
     def _query(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.mla.q_lora_rank is None:
@@ -102,7 +113,7 @@ class MLAttention:
     def _prefill(self, query, latent, k_rope, cache, batch: ForwardBatch) -> torch.Tensor:
         """Decompress each prefill's context (its new tokens, or its cached prefix and new tokens
         read back from the cache) and attend ordinarily."""
-        mla, heads = self.mla, self.config.num_heads
+        mla, heads = self.mla, self.num_heads
         attention = batch.attention
         rank = mla.kv_lora_rank
         flat_cache = cache.view(-1, cache.shape[-1])
@@ -136,27 +147,37 @@ class MLAttention:
         return out.reshape(query.shape[0], -1)
 
     def load(self, checkpoint: Checkpoint, prefix: str) -> None:
+        """Read the replicated latent projections and norms whole, and this rank's heads of
+        q_proj (or q_b_proj), kv_b_proj and o_proj."""
+        mla, (first, last) = self.mla, self.head_share
+
+        def heads_of(name: str, per_head: int, dim: int = 0) -> torch.Tensor:
+            part = Slices.of(dim, (first * per_head, last * per_head))
+            return checkpoint.take(prefix + name, part=part)
+
         take = checkpoint.take
-        if self.mla.q_lora_rank is None:
-            self.q_proj.copy_(take(prefix + "q_proj.weight"))
+        if mla.q_lora_rank is None:
+            self.q_proj.copy_(heads_of("q_proj.weight", mla.qk_head_dim))
         else:
             self.q_a_proj.copy_(take(prefix + "q_a_proj.weight"))
             self.q_a_norm.copy_(take(prefix + "q_a_layernorm.weight"))
-            self.q_b_proj.copy_(take(prefix + "q_b_proj.weight"))
+            self.q_b_proj.copy_(heads_of("q_b_proj.weight", mla.qk_head_dim))
             if self.q_a_bias is not None:
                 self.q_a_bias.copy_(take(prefix + "q_a_proj.bias"))
         self.kv_a_proj.copy_(take(prefix + "kv_a_proj_with_mqa.weight"))
         if self.kv_a_bias is not None:
             self.kv_a_bias.copy_(take(prefix + "kv_a_proj_with_mqa.bias"))
         self.kv_a_norm.copy_(take(prefix + "kv_a_layernorm.weight"))
-        self.kv_b_proj.copy_(take(prefix + "kv_b_proj.weight"))
-        self.o_proj.copy_(take(prefix + "o_proj.weight"))
+        self.kv_b_proj.copy_(heads_of("kv_b_proj.weight", mla.qk_nope_head_dim + mla.v_head_dim))
+        self.o_proj.copy_(heads_of("o_proj.weight", mla.v_head_dim, dim=1))
         if self.o_bias is not None:
             self.o_bias.copy_(take(prefix + "o_proj.bias"))
+        elif self.config.attention_bias:
+            checkpoint.discard(prefix + "o_proj.bias")  # rank 0 reads it
         self._absorb()
 
     def _absorb(self) -> None:
-        mla, heads = self.mla, self.config.num_heads
+        mla, heads = self.mla, self.num_heads
         per_head = self.kv_b_proj.view(heads, mla.qk_nope_head_dim + mla.v_head_dim, -1)
         w_uk, w_uv = per_head.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
         self.w_uk.copy_(w_uk)

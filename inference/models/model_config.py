@@ -11,11 +11,17 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from inference.distributed.parallel import Parallel
+from inference.distributed.sharding import (
+    attention_heads,
+    expert_intermediate_share,
+    expert_share,
+)
 from inference.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = {
@@ -136,6 +142,33 @@ class ModelConfig:
             attention_scaling=attention_scaling,
             moe=_moe_config(family, hf_config),
             mla=mla,
+        )
+
+    def for_rank(self, parallel: Parallel) -> ModelConfig:
+        """The dimensions one rank of `parallel` computes with (itself for one device): its query
+        and KV heads (`sharding.attention_heads`: KV heads replicated when there are fewer than
+        ranks) and its share of each intermediate size, so that `kv_cache_shape` is the rank's
+        cache. The vocabulary, the hidden size and the routed experts' count stay whole (every
+        rank holds the whole hidden state and routes over every expert); MLA's latent cache row
+        is the same on every rank. A ValueError when the heads or sizes do not split."""
+        if not parallel.distributed:
+            return self
+        heads = attention_heads(self.num_heads, self.num_kv_heads, parallel)
+        moe = self.moe
+        if moe is not None:
+            start, stop = expert_intermediate_share(moe.intermediate_size, parallel)
+            expert_share(moe.num_experts, parallel)  # refuses experts that do not spread evenly
+            shared = parallel.share(moe.shared_intermediate_size, "shared expert size")
+            moe = replace(
+                moe, intermediate_size=stop - start, shared_intermediate_size=shared[1] - shared[0]
+            )
+        start, stop = parallel.share(self.intermediate_size, "intermediate size")
+        return replace(
+            self,
+            num_heads=heads.num_heads,
+            num_kv_heads=heads.num_kv_heads,
+            intermediate_size=stop - start,
+            moe=moe,
         )
 
     @property

@@ -8,6 +8,14 @@ dtype (Mixtral always renormalises, the Qwen MoEs when `norm_topk_prob`), or Dee
 grouped top-k on sigmoid scores in float32 with the correction bias used only to choose, the
 weights renormalised and scaled by `routed_scaling_factor`. Qwen2-MoE gates its shared expert by
 sigmoid(gate · x).
+
+Across a group of ranks the router and the correction bias are replicated, so every rank
+computes the same routing (and counts every expert's tokens). With `expert_parallel` 1 each
+routed expert is split by its intermediate size like a dense MLP; with `expert_parallel` = world
+size a rank holds a contiguous share of whole experts and runs only the (token, choice) pairs
+routed to them. The shared expert is split like a dense MLP either way. Every rank's output is a
+partial sum (its experts' or its intermediate share's, plus its share of the shared expert), and
+one all-reduce combines them.
 """
 
 from __future__ import annotations
@@ -15,36 +23,49 @@ from __future__ import annotations
 import torch
 
 import kernels as ops
+from inference.distributed.parallel import Parallel
+from inference.distributed.sharding import Slices, expert_intermediate_share, expert_share
 from inference.models.checkpoint import Checkpoint
 from inference.models.mlp import DenseMLP
 from inference.models.model_config import MoEConfig
 
 
 class SparseMoE:
-    """One layer's router, routed experts ([E, 2I, H] gate|up and [E, H, I] down) and shared
-    expert; counts the tokens each expert received (`expert_tokens` since load,
-    `last_step_tokens` in the last forward, which is one engine step)."""
+    """One layer's router, routed experts ([E, 2I, H] gate|up and [E, H, I] down: this rank's
+    experts [first, last) and its share of their intermediate size) and shared expert; counts the
+    tokens each expert received (`expert_tokens` since load, `last_step_tokens` in the last
+    forward, which is one engine step)."""
 
-    def __init__(self, moe: MoEConfig, hidden_size: int, dtype: torch.dtype) -> None:
-        self.moe = moe
-        experts, inter = moe.num_experts, moe.intermediate_size
+    def __init__(
+        self,
+        moe: MoEConfig,
+        hidden_size: int,
+        dtype: torch.dtype,
+        parallel: Parallel,
+    ) -> None:
+        self.moe, self.parallel = moe, parallel
+        self.expert_range = expert_share(moe.num_experts, parallel)
+        self.intermediate_share = expert_intermediate_share(moe.intermediate_size, parallel)
+        experts = self.expert_range[1] - self.expert_range[0]
+        inter = self.intermediate_share[1] - self.intermediate_share[0]
         router_dtype = torch.float32 if moe.router_fp32 else dtype
-        self.router = torch.empty(experts, hidden_size, dtype=router_dtype)
+        self.router = torch.empty(moe.num_experts, hidden_size, dtype=router_dtype)
         self.correction_bias = (
-            torch.zeros(experts, dtype=torch.float32) if moe.correction_bias else None
+            torch.zeros(moe.num_experts, dtype=torch.float32) if moe.correction_bias else None
         )
         self.w13 = torch.empty(experts, 2 * inter, hidden_size, dtype=dtype)
         self.w2 = torch.empty(experts, hidden_size, inter, dtype=dtype)
         self.shared = (
-            DenseMLP(hidden_size, moe.shared_intermediate_size, dtype)
+            DenseMLP(hidden_size, moe.shared_intermediate_size, dtype, parallel)
             if moe.shared_intermediate_size
             else None
         )
         self.shared_gate = (
             torch.empty(1, hidden_size, dtype=dtype) if moe.shared_expert_gate else None
         )
-        self.expert_tokens = torch.zeros(experts, dtype=torch.long)
-        self.last_step_tokens = torch.zeros(experts, dtype=torch.long)  # one forward is one step
+        self.expert_tokens = torch.zeros(moe.num_experts, dtype=torch.long)
+        # One forward is one step.
+        self.last_step_tokens = torch.zeros(moe.num_experts, dtype=torch.long)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         moe = self.moe
@@ -64,17 +85,40 @@ class SparseMoE:
         if not moe.router_fp32:
             # Mixtral and the Qwen MoEs weigh the experts in the model's dtype.
             weights = weights.to(hidden.dtype).float()
-        out = ops.fused_moe(hidden, self.w13, self.w2, weights, experts)
+        out = self._routed(hidden, weights, experts)
         if self.shared is not None:
-            shared = self.shared.forward(hidden)
+            shared = self.shared.partial_forward(hidden)
             if self.shared_gate is not None:
                 shared = torch.sigmoid(ops.linear(hidden, self.shared_gate)) * shared
             out = out + shared
+        return self.parallel.all_reduce(out)
+
+    def _routed(
+        self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed experts' output, or with expert parallelism this rank's experts' part."""
+        first, last = self.expert_range
+        if last - first == self.moe.num_experts:
+            return ops.fused_moe(hidden, self.w13, self.w2, weights, experts)
+        # Only the (token, choice) pairs routed here, one pair a row: a token choosing two of
+        # this rank's experts is two rows, summed back into its own.
+        tokens, choices = ((experts >= first) & (experts < last)).nonzero(as_tuple=True)
+        out = torch.zeros_like(hidden)
+        if tokens.numel():
+            pairs = ops.fused_moe(
+                hidden.index_select(0, tokens),
+                self.w13,
+                self.w2,
+                weights[tokens, choices].unsqueeze(1),
+                (experts[tokens, choices] - first).unsqueeze(1),
+            )
+            out.index_add_(0, tokens, pairs)
         return out
 
     def load(self, checkpoint: Checkpoint, prefix: str, family: str) -> None:
-        """Copy the router, the experts (one tensor per expert on disk, stacked here) and the
-        shared expert; names as each family's checkpoints have them."""
+        """Read the router, this rank's experts or share of every expert (one tensor per expert
+        on disk, stacked here) and the shared expert; names as each family's checkpoints have
+        them."""
         take = checkpoint.take
         if family == "mixtral":
             router, expert_names, shared = "gate.weight", ("w1", "w3", "w2"), None
@@ -86,8 +130,7 @@ class SparseMoE:
             self.correction_bias.copy_(take(prefix + "gate.e_score_correction_bias"))
         if checkpoint.has(prefix + "experts.gate_up_proj"):
             # Stacked as transformers writes them (a GGUF converted through it): [E, 2I, H].
-            self.w13.copy_(take(prefix + "experts.gate_up_proj"))
-            self.w2.copy_(take(prefix + "experts.down_proj"))
+            self._load_stacked(checkpoint, prefix)
         else:
             self._load_each_expert(checkpoint, prefix, expert_names)
         if self.shared is not None:
@@ -95,16 +138,37 @@ class SparseMoE:
         if self.shared_gate is not None:
             self.shared_gate.copy_(take(prefix + "shared_expert_gate.weight"))
 
+    def _load_stacked(self, checkpoint: Checkpoint, prefix: str) -> None:
+        """Experts stacked as transformers writes them: gate_up_proj [E, 2I, H], down_proj
+        [E, H, I]; this rank's experts, or the gate and up rows and down columns of its share."""
+        if self.parallel.expert_parallel > 1:
+            gate_up = down = Slices.of(0, self.expert_range)
+        else:
+            start, stop = self.intermediate_share
+            inter = self.moe.intermediate_size
+            gate_up = Slices.of(1, (start, stop), (inter + start, inter + stop))
+            down = Slices.of(2, (start, stop))
+        self.w13.copy_(checkpoint.take(prefix + "experts.gate_up_proj", part=gate_up))
+        self.w2.copy_(checkpoint.take(prefix + "experts.down_proj", part=down))
+
     def _load_each_expert(self, checkpoint: Checkpoint, prefix: str, names) -> None:
-        """One tensor per expert and projection, as published checkpoints hold them."""
+        """One tensor per expert and projection, as published checkpoints hold them; another
+        rank's experts are left unread."""
         take = checkpoint.take
         gate, up, down = names
+        first, last = self.expert_range
+        rows, columns = Slices.of(0, self.intermediate_share), Slices.of(1, self.intermediate_share)
         for expert in range(self.moe.num_experts):
             base = f"{prefix}experts.{expert}."
-            self.w13[expert].copy_(
-                torch.cat([take(f"{base}{gate}.weight"), take(f"{base}{up}.weight")], dim=0)
-            )
-            self.w2[expert].copy_(take(f"{base}{down}.weight"))
+            if not first <= expert < last:
+                checkpoint.discard(base)
+                continue
+            gate_up = [
+                take(f"{base}{gate}.weight", part=rows),
+                take(f"{base}{up}.weight", part=rows),
+            ]
+            self.w13[expert - first].copy_(torch.cat(gate_up, dim=0))
+            self.w2[expert - first].copy_(take(f"{base}{down}.weight", part=columns))
 
     def pack(self, quantization: str | None) -> None:
         """The routed experts stay [E, …] tensors for `fused_moe`; the shared expert packs as a

@@ -11,6 +11,11 @@ KV blocks with the Mooncake Transfer Engine on `--kv-host`.
 (inference/node/metrics.py); `--log-format` writes its log as JSON lines (the default) or text
 (inference/protocol/logs.py).
 
+`--tensor-parallel N` serves the model from a group of N rank processes (`--expert-parallel N`
+spreads the experts of a mixture-of-experts model over them); this process is rank 0, the node
+the control plane sees (docs/parallelism.md). A rank that dies ends the node with a non-zero exit,
+and the broker redelivers what it had not finished. Disaggregated roles need one rank for now.
+
 SIGTERM or SIGINT drains the node: it leaves the registry, takes no more work, finishes the
 requests it runs, reports them and exits with 0. A second signal stops it at once: the requests
 it had not finished stay unacknowledged and the broker redelivers them to another node.
@@ -62,6 +67,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--kv-cache-mb", type=int, default=512)
     parser.add_argument(
+        "--tensor-parallel", type=int, default=1, help="ranks (processes) serving the model"
+    )
+    parser.add_argument(
+        "--expert-parallel",
+        type=int,
+        default=1,
+        help="1, or --tensor-parallel to spread the experts over the ranks",
+    )
+    parser.add_argument(
         "--broker-heartbeat-ms",
         type=int,
         default=60_000,
@@ -77,7 +91,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=sorted(FORMATTERS),
         help="json: one object a line with the request's ids; text: for a terminal",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.tensor_parallel > 1 and args.role != "unified":
+        # The KV transfer reads and writes rank 0's cache only; a group's cache is split by
+        # rank (docs/parallelism.md).
+        parser.error(
+            f"--role {args.role} with --tensor-parallel {args.tensor_parallel}: disaggregated "
+            "roles run on one rank for now (the KV transfer does not map a group's per-rank "
+            "caches); serve a group as --role unified"
+        )
+    return args
 
 
 def make_broker(args: argparse.Namespace):
@@ -114,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             max_num_seqs=args.max_num_seqs,
             kv_cache_memory_bytes=args.kv_cache_mb * 1024 * 1024,
             kv_wait_s=args.kv_wait_s,
+            tensor_parallel=args.tensor_parallel,
+            expert_parallel=args.expert_parallel,
         )
     )
     broker = make_broker(args)
@@ -159,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         publisher.close()
         broker.close()
+        engine.close()
     return 0
 
 

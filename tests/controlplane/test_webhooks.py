@@ -17,16 +17,8 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 from controlplane.events.models import Event
 from controlplane.events.webhooks import WebhookDelivery, WebhookEndpoint
 from inference.protocol.messages import CONTROLPLANE_QUEUE
-from tests.webhook_receiver import Receiver
 
 PUBLIC_ADDRESS = "93.184.215.14"
-
-
-@pytest.fixture
-def receiver():
-    receiver = Receiver()
-    yield receiver
-    receiver.close()
 
 
 @pytest.fixture

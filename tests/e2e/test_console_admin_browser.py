@@ -13,7 +13,6 @@ import pytest
 
 from tests.e2e.browser import sign_in
 from tests.e2e.stack import ROOT, embedded_server
-from tests.webhook_receiver import Receiver
 
 ARTIFACTS = ROOT / "tests" / "artifacts"
 OWNER = ("demo", "demo-password")
@@ -37,13 +36,6 @@ def server(tmp_path_factory, tiny_llama_dir):
         HEARTH_WEBHOOK_ALLOW_PRIVATE="1",
     ) as running:
         yield running
-
-
-@pytest.fixture
-def receiver():
-    receiver = Receiver()
-    yield receiver
-    receiver.close()
 
 
 def invite(page, username: str, role: str) -> None:

@@ -52,13 +52,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 JOBS = 48
 
 
-@pytest.fixture
-def receiver():
-    receiver = Receiver()
-    yield receiver
-    receiver.close()
-
-
 def post(url: str, key: str, body: dict) -> dict:
     request = urllib.request.Request(
         url,

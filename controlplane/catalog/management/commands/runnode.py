@@ -6,6 +6,8 @@ up in the catalog and passes the broker and Redis settings on, and the node's ro
 (prefill and decode), or one side of disaggregated serving (controlplane/catalog/registry.py).
 `--metrics-port` (default HEARTH_NODE_METRICS_PORT; unset or 0: none) serves the node's own
 `/metrics` (inference/node/metrics.py); its log follows the settings' LOGGING (HEARTH_LOG_FORMAT).
+`--tensor-parallel N --expert-parallel M` serve the model from a group of N rank processes, one
+node to the control plane (docs/parallelism.md).
 """
 
 import os
@@ -32,6 +34,8 @@ class Command(BaseCommand):
         parser.add_argument("--kv-cache-mb", type=int, default=512)
         parser.add_argument("--kv-host", default="127.0.0.1")
         parser.add_argument("--kv-wait-s", type=float, default=30.0)
+        parser.add_argument("--tensor-parallel", type=int, default=1)
+        parser.add_argument("--expert-parallel", type=int, default=1)
         parser.add_argument(
             "--metrics-port", type=int, default=int(os.environ.get("HEARTH_NODE_METRICS_PORT") or 0)
         )
@@ -78,6 +82,10 @@ def node_argv(model: ServedModel, options: dict[str, Any]) -> list[str]:
         options.get("kv_host") or "127.0.0.1",
         "--kv-wait-s",
         str(options.get("kv_wait_s") or 30.0),
+        "--tensor-parallel",
+        str(options.get("tensor_parallel") or 1),
+        "--expert-parallel",
+        str(options.get("expert_parallel") or 1),
     ]
     if options["node_id"]:
         argv += ["--node-id", options["node_id"]]

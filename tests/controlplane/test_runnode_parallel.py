@@ -1,0 +1,19 @@
+"""`manage.py runnode --tensor-parallel N --expert-parallel M` runs the node as a group of N
+ranks (docs/parallelism.md)."""
+
+from __future__ import annotations
+
+from inference.node.__main__ import parse_args
+from tests.controlplane.test_disaggregation import runnode_argv
+
+
+def test_runnode_passes_the_group_size_on(db, tiny):
+    args = parse_args(
+        runnode_argv(tiny, tiny.id, "--tensor-parallel", "2", "--expert-parallel", "2")
+    )
+    assert (args.tensor_parallel, args.expert_parallel) == (2, 2)
+
+
+def test_runnode_runs_one_rank_unless_told(db, tiny):
+    args = parse_args(runnode_argv(tiny, tiny.id))
+    assert (args.tensor_parallel, args.expert_parallel) == (1, 1)
