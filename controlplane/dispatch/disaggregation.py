@@ -11,10 +11,12 @@ long the chat. So a request is split only when
   node is chosen) number at least DISAGG_MIN_TOKENS, and
 - the decode route is a `decode` node (a `unified` node prefills what it takes itself; on the
   shared queue, every live node that may take it is a decode node), and
-- a live prefill node can pair with the decode node, and is not saturated. Pairing takes the same
-  `kv_layout` in both heartbeats (model, dtype, block size, layers, KV heads, head dim): the blocks
-  are copied as they are. On the shared queue any decode node may take the request, so it is split
-  only when every live decode node has one layout. Saturated: its load at or above
+- a live prefill node can pair with the decode node, and is not saturated. Pairing takes
+  `kv_layout`s in both heartbeats that map (inference/disagg/layout.py `layouts_pair`: the same
+  model, dtype, block size, layers, KV heads and head dim, and groups of the same size, or MLA's
+  latent cache between any sizes): the blocks are copied as they are, rank to rank. On the shared
+  queue any decode node may take the request, so the prefill node must pair with every live
+  decode node. Saturated: its load at or above
   ROUTING_MAX_LOAD, or DISAGG_MAX_QUEUED_TOKENS prompt tokens or more waiting on it.
 
 Of those prefill nodes, the one whose heartbeat digest holds the longest prefix of the prompt (the
@@ -44,6 +46,7 @@ from controlplane.dispatch.routing import (
     prefix_matches,
     prompt_block_hashes,
 )
+from inference.disagg.layout import layouts_pair
 from inference.protocol.messages import prefill_node_queue
 
 
@@ -72,19 +75,20 @@ def split(
     if route.node is None:
         decode = None
         layouts = [n.get("kv_layout") for n in decoders]
-        layout = layouts[0] if layouts and all(x == layouts[0] for x in layouts) else None
         if any(node_role(n) != DECODE for n in decoders):
-            layout = None  # a unified node could take it, and prefills what it takes itself
+            layouts = []  # a unified node could take it, and prefills what it takes itself
     else:
         decode = next((n for n in decoders if n["id"] == route.node), None)
         fit = decode is not None and node_role(decode) == DECODE
-        layout = decode.get("kv_layout") if fit else None
-    if not layout:  # no decode node, or nodes older than the layouts: nothing can pair
+        layouts = [decode.get("kv_layout")] if fit else []
+    if not layouts:  # no decode node: nothing can pair
         return route
     candidates = [
         n
         for n in nodes
-        if node_role(n) == PREFILL and n.get("kv_layout") == layout and not is_saturated(n)
+        if node_role(n) == PREFILL
+        and all(layouts_pair(n.get("kv_layout"), layout) for layout in layouts)
+        and not is_saturated(n)
     ]
     if not candidates:
         return route

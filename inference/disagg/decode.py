@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from inference.disagg.transfer import KVTransfer
+from inference.disagg.transfer import GroupTransfer, KVTransfer
 from inference.engine.llm_engine import LLMEngine
 from inference.node.state import QueueSender
 from inference.protocol.disagg import PrefillDone, PrefillRequest, disagg_counters
@@ -27,7 +27,12 @@ class RemotePrefills:
     """What a decode node asked of the prefill pool, and what came back."""
 
     def __init__(
-        self, engine: LLMEngine, transfer: KVTransfer, broker, model: str, node_id: str
+        self,
+        engine: LLMEngine,
+        transfer: KVTransfer | GroupTransfer,
+        broker,
+        model: str,
+        node_id: str,
     ) -> None:
         self.engine = engine
         self.transfer = transfer

@@ -3,17 +3,26 @@
 A block written by a node whose cache is laid out otherwise (another dtype, block size, head
 count, or another model's weights) would be read as garbage without any error, so every pair is
 checked once (`KVPeers`) and refused with the fields that differ, never mixed.
+
+A node may be a group of ranks (docs/parallelism.md), each caching its share of the KV heads in a
+buffer of its own. Blocks move rank to rank: a writer's rank fills the reader's ranks whose cache
+holds exactly its heads (`reader_ranks`). That maps two groups of the same size (the same model
+splits its heads the same way), and MLA's latent cache, which is whole on every rank, between
+groups of any sizes. Anything else (a rank would hold only part of another rank's heads, which
+are interleaved in every token's slot) is refused, naming both layouts.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass
 from typing import Any
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """The shape of a node's paged KV cache, as its heartbeats and prefill messages publish it."""
+    """The shape of a node's paged KV cache, as its heartbeats and prefill messages publish it:
+    `num_kv_heads` is what each rank's cache holds (its share in a group of `tensor_parallel`
+    ranks; MLA's one latent row on every rank)."""
 
     model: str
     dtype: str
@@ -22,6 +31,7 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     kinds: int = 2  # keys and values; 1 for MLA's latent cache
+    tensor_parallel: int = 1
 
     @property
     def element_bytes(self) -> int:
@@ -37,17 +47,59 @@ class KVLayout:
 
     @classmethod
     def from_dict(cls, value: dict[str, Any]) -> KVLayout:
-        fields = cls.__dataclass_fields__
-        return cls(**{name: value[name] for name in fields if name in value or name != "kinds"})
+        fields = cls.__dataclass_fields__.items()
+        # A missing field with a default is an older node's (one rank, keys and values).
+        return cls(**{n: value[n] for n, f in fields if n in value or f.default is MISSING})
+
+    @property
+    def replicated(self) -> bool:
+        """Whether every rank caches the whole KV row (MLA's latent), so that any rank of
+        another group can fill any of ours."""
+        return self.kinds == 1
+
+    def describe(self) -> str:
+        ranks = f"{self.tensor_parallel} rank(s) × " if self.tensor_parallel > 1 else ""
+        return (
+            f"{self.model} {self.dtype}, block {self.block_size}, {self.num_layers} layers, "
+            f"{ranks}{self.kinds} kind(s) × {self.num_kv_heads} KV head(s) × {self.head_dim}"
+        )
 
     def mismatch(self, other: KVLayout) -> str | None:
         """None when blocks can move between the two caches, else the fields that differ."""
         differences = [
             f"{name} {mine!r} here, {theirs!r} there"
             for name, mine in asdict(self).items()
-            if (theirs := getattr(other, name)) != mine and not _same_dtype(name, mine, theirs)
+            if name != "tensor_parallel"
+            and (theirs := getattr(other, name)) != mine
+            and not _same_dtype(name, mine, theirs)
         ]
+        if self.tensor_parallel != other.tensor_parallel and not (
+            self.replicated and other.replicated
+        ):
+            differences.append(
+                f"tensor_parallel {self.tensor_parallel} here, {other.tensor_parallel} there "
+                "(each rank caches its share of the KV heads: only groups of the same size, or "
+                "MLA's latent cache, map rank to rank)"
+            )
         return "; ".join(differences) or None
+
+
+def reader_ranks(writer: KVLayout, reader: KVLayout, rank: int) -> list[int]:
+    """The reader's ranks whose caches the writer's rank `rank` fills, for two layouts without a
+    `mismatch`: reader rank j is filled by writer rank j mod the writer's size (rank i by rank i
+    between groups of one size; with MLA, every reader rank by some writer rank)."""
+    return [j for j in range(reader.tensor_parallel) if j % writer.tensor_parallel == rank]
+
+
+def layouts_pair(writer: dict[str, Any] | None, reader: dict[str, Any] | None) -> bool:
+    """Whether a node publishing `writer` as its `kv_layout` can fill the cache of one
+    publishing `reader` (the gateway's check before it splits a request)."""
+    if not writer or not reader:
+        return False
+    try:
+        return KVLayout.from_dict(writer).mismatch(KVLayout.from_dict(reader)) is None
+    except (KeyError, TypeError):
+        return False
 
 
 def _same_dtype(name: str, mine: Any, theirs: Any) -> bool:
@@ -60,38 +112,61 @@ class LayoutMismatchError(Exception):
 
 
 @dataclass(frozen=True)
-class KVRegion:
-    """Where a node's cache lies for the transfer engine: its endpoint (host:rpc port), the
-    buffer's address there, its block count (each layer's keys and values hold that many), and
-    its layout."""
+class RankBuffer:
+    """One rank's cache for the transfer engine: its endpoint (host:rpc port) and the buffer's
+    address there."""
 
     endpoint: str
     base: int
+
+
+@dataclass(frozen=True)
+class KVRegion:
+    """Where a node's cache lies for the transfer engine: every rank's buffer (rank 0's first;
+    one for a node of one rank), the block count (each rank's every layer's keys and values hold
+    that many), and the layout."""
+
+    ranks: tuple[RankBuffer, ...]
     num_blocks: int
     layout: KVLayout
+
+    @property
+    def endpoint(self) -> str:
+        return self.ranks[0].endpoint
+
+    @property
+    def base(self) -> int:
+        return self.ranks[0].base
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "endpoint": self.endpoint,
             "base": self.base,
+            "ranks": [{"endpoint": r.endpoint, "base": r.base} for r in self.ranks],
             "num_blocks": self.num_blocks,
             "layout": self.layout.as_dict(),
         }
 
     @classmethod
     def from_dict(cls, value: dict[str, Any]) -> KVRegion:
-        return cls(
-            endpoint=str(value["endpoint"]),
-            base=int(value["base"]),
+        ranks = value.get("ranks") or [value]  # a node of one rank, as older nodes sent it
+        region = cls(
+            ranks=tuple(RankBuffer(str(r["endpoint"]), int(r["base"])) for r in ranks),
             num_blocks=int(value["num_blocks"]),
             layout=KVLayout.from_dict(value["layout"]),
         )
+        if len(region.ranks) != region.layout.tensor_parallel:
+            raise ValueError(
+                f"{len(region.ranks)} rank buffers for tensor_parallel "
+                f"{region.layout.tensor_parallel}"
+            )
+        return region
 
-    def offset(self, layer: int, kind: int, block: int) -> int:
+    def offset(self, layer: int, kind: int, block: int, rank: int = 0) -> int:
         """Address of block `block` of `layer`'s keys (kind 0) or values (kind 1), or latents
-        (MLA's one kind) (inference.engine.kv_cache lays the buffer out)."""
+        (MLA's one kind), in rank `rank`'s buffer (inference.engine.kv_cache lays it out)."""
         index = (layer * self.layout.kinds + kind) * self.num_blocks + block
-        return self.base + index * self.layout.block_bytes
+        return self.ranks[rank].base + index * self.layout.block_bytes
 
 
 class KVPeers:
@@ -110,7 +185,8 @@ class KVPeers:
         problem = self._verdicts[key]
         if problem is not None:
             raise LayoutMismatchError(
-                f"the KV cache of {peer.endpoint} is laid out otherwise: {problem}"
+                f"the KV cache of {peer.endpoint} is laid out otherwise: {problem} (here "
+                f"{self.layout.describe()}; there {peer.layout.describe()})"
             )
 
     @property
@@ -119,8 +195,9 @@ class KVPeers:
 
 
 def kv_layout_of(engine, model: str) -> KVLayout:
-    """The layout of `engine`'s cache serving `model` (an LLMEngine)."""
-    config = engine.model_config
+    """The layout of `engine`'s cache serving `model` (an LLMEngine; each rank's share of it in
+    a group)."""
+    config = engine.model_config.for_rank(engine.runner.parallel)
     kinds, heads, dim = config.kv_cache_shape
     return KVLayout(
         model=model,
@@ -130,4 +207,5 @@ def kv_layout_of(engine, model: str) -> KVLayout:
         num_kv_heads=heads,
         head_dim=dim,
         kinds=kinds,
+        tensor_parallel=engine.config.tensor_parallel,
     )

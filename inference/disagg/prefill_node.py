@@ -23,7 +23,7 @@ from typing import Any
 from dramatiq.broker import Broker, Consumer, MessageProxy
 
 from inference.disagg.layout import KVPeers, KVRegion, LayoutMismatchError
-from inference.disagg.transfer import KVTransfer, TransferError
+from inference.disagg.transfer import GroupTransfer, KVTransfer, TransferError
 from inference.engine.llm_engine import LLMEngine
 from inference.engine.sampling_params import SamplingParams
 from inference.errors import InvalidRequestError
@@ -55,7 +55,7 @@ class PrefillNode:
         model: str,
         node_id: str,
         broker: Broker,
-        transfer: KVTransfer,
+        transfer: KVTransfer | GroupTransfer,
         heartbeat=None,
         poll_ms: int = 4,
         heartbeat_interval_s: float = 2.0,
@@ -226,6 +226,7 @@ class PrefillNode:
             queued_tokens=self.queued_tokens(),
             kv_layout=self.transfer.region.layout.as_dict(),
             kv_endpoint=self.transfer.region.endpoint,
+            kv_ranks=self.transfer.region.as_dict()["ranks"],  # every rank's, in a group
             disagg=dict(self.counters),
         )
 

@@ -4,7 +4,8 @@ sends until it says stop.
 The process is started by rank 0 (inference/distributed/group.py) with the spawn context. It
 joins the group through rank 0's store, builds its `ModelRunner` (its share of the weights, a KV
 cache of the block count rank 0 decided), says ready (or sends its error) on a pipe, and then
-only executes: it never schedules, samples or holds a request. It exits when rank 0 says stop,
+only executes: it never schedules, samples or holds a request (and answers rank 0's calls:
+step_broadcast.py). It exits when rank 0 says stop,
 when a collective fails (a rank died), and when rank 0's process is gone, whatever it is
 blocked on: no follower outlives its engine. It ignores SIGINT (rank 0's to act on); SIGTERM
 ends it, which fails the group (rank 0's exit terminates it that way, being daemonic).
@@ -83,7 +84,7 @@ def run_follower(spec: FollowerSpec, report: multiprocessing.connection.Connecti
         raise
     report.send(READY)
     report.close()
-    while (step := receive_step(control)) is not None:
+    while (step := receive_step(control, runner)) is not None:
         runner.execute(step)
     dist.destroy_process_group()
 

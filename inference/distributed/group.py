@@ -34,9 +34,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from inference.distributed.follower import READY, STARTED, FollowerSpec, run_follower
-from inference.distributed.step_broadcast import send_step, send_stop
+from inference.distributed.rank_call import RankCall, attempt
+from inference.distributed.step_broadcast import gather_results, send_call, send_step, send_stop
 from inference.engine.config import EngineConfig
-from inference.engine.model_runner import FlatStep
+from inference.engine.model_runner import FlatStep, ModelRunner
 from inference.models.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -130,12 +131,7 @@ class RankGroup:
     def run(self, step: FlatStep, execute: Callable[[FlatStep], torch.Tensor | None]):
         """Send `step` to the followers, then `execute` it here; what `execute` returned.
         Any failure on the way takes the group down and raises GroupFailure."""
-        if self.failure is None:
-            dead = next((rank for rank, p in enumerate(self.processes, 1) if not p.is_alive()), 0)
-            if dead:
-                self._fail(f"rank {dead} exited with code {self._exitcode(dead)}")
-        if self.failure is not None:
-            raise GroupFailure(f"the rank group is down: {self.failure}")
+        self._check_alive()
         try:
             send_step(step, self.control)
             return execute(step)
@@ -143,6 +139,26 @@ class RankGroup:
             # Whatever broke, the ranks are no longer in step with each other.
             self._fail(self._describe(error))
             raise GroupFailure(f"the rank group failed mid-step: {self.failure}") from error
+
+    def call(self, call: RankCall, runner: ModelRunner) -> list:
+        """Run `call` on every rank (`runner`: rank 0's), concurrently; the results in rank
+        order, a rank's exception as `CallFailed` (rank_call.py). A rank that dies meanwhile
+        raises GroupFailure."""
+        self._check_alive()
+        try:
+            send_call(call, self.control)
+            return gather_results(attempt(call, runner), len(self.processes) + 1, self.control)
+        except Exception as error:
+            self._fail(self._describe(error))
+            raise GroupFailure(f"the rank group failed in a call: {self.failure}") from error
+
+    def _check_alive(self) -> None:
+        if self.failure is None:
+            dead = next((rank for rank, p in enumerate(self.processes, 1) if not p.is_alive()), 0)
+            if dead:
+                self._fail(f"rank {dead} exited with code {self._exitcode(dead)}")
+        if self.failure is not None:
+            raise GroupFailure(f"the rank group is down: {self.failure}")
 
     def close(self) -> None:
         """Stop the followers (the stop message, then kill after a grace period; at once when

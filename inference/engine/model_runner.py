@@ -2,19 +2,21 @@
 
 In a group (docs/parallelism.md) rank 0's runner sends each flattened step to the followers
 before its own forward, and only it samples; a follower's runner runs the steps it receives
-(`execute`).
+(`execute`). `on_every_rank` runs something else on every rank's runner (disaggregation's KV
+transfer: each rank moves its own cache).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import kernels as ops
 from inference.distributed.parallel import Parallel
+from inference.distributed.rank_call import RankCall, attempt
 from inference.engine.config import EngineConfig
 from inference.engine.kv_cache import allocate_kv_buffer, layer_caches
 from inference.engine.outputs import TokenLogprob
@@ -76,6 +78,17 @@ class ModelRunner:
             str(self.device),
         )
         self.kv_caches = layer_caches(self.kv_buffer)
+        # This rank's Transfer Engine over `kv_buffer`, once disaggregation opens one
+        # (inference/disagg/transfer.py GroupTransfer).
+        self.kv_transfer: Any = None
+
+    def on_every_rank(self, call: RankCall) -> list[Any]:
+        """`call(runner)` on every rank of the group (here alone on one device), the results in
+        rank order; a rank where it raised gives `CallFailed` (inference/distributed/
+        rank_call.py). A picklable call: followers are other processes."""
+        if self.group is None:
+            return [attempt(call, self)]
+        return self.group.call(call, self)
 
     @torch.inference_mode()
     def run(

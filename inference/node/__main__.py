@@ -14,7 +14,8 @@ KV blocks with the Mooncake Transfer Engine on `--kv-host`.
 `--tensor-parallel N` serves the model from a group of N rank processes (`--expert-parallel N`
 spreads the experts of a mixture-of-experts model over them); this process is rank 0, the node
 the control plane sees (docs/parallelism.md). A rank that dies ends the node with a non-zero exit,
-and the broker redelivers what it had not finished. Disaggregated roles need one rank for now.
+and the broker redelivers what it had not finished. A group may take a disaggregated role: each
+rank moves its own share of the KV (docs/disaggregation.md).
 
 SIGTERM or SIGINT drains the node: it leaves the registry, takes no more work, finishes the
 requests it runs, reports them and exits with 0. A second signal stops it at once: the requests
@@ -32,7 +33,7 @@ import uuid
 
 from inference.disagg.layout import kv_layout_of
 from inference.disagg.prefill_node import PrefillNode
-from inference.disagg.transfer import KVTransfer
+from inference.disagg.transfer import GroupTransfer
 from inference.engine import EngineConfig, LLMEngine
 from inference.node import metrics
 from inference.node.node import Node
@@ -92,14 +93,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="json: one object a line with the request's ids; text: for a terminal",
     )
     args = parser.parse_args(argv)
-    if args.tensor_parallel > 1 and args.role != "unified":
-        # The KV transfer reads and writes rank 0's cache only; a group's cache is split by
-        # rank (docs/parallelism.md).
-        parser.error(
-            f"--role {args.role} with --tensor-parallel {args.tensor_parallel}: disaggregated "
-            "roles run on one rank for now (the KV transfer does not map a group's per-rank "
-            "caches); serve a group as --role unified"
-        )
     return args
 
 
@@ -150,9 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     heartbeat = RedisHeartbeat(redis.Redis.from_url(args.redis_url))
     transfer = None
     if args.role != "unified":
-        transfer = KVTransfer(
-            engine.runner.kv_buffer, kv_layout_of(engine, args.model), host=args.kv_host
-        )
+        # Every rank of a group registers its own cache (inference/disagg/transfer.py).
+        transfer = GroupTransfer(engine, kv_layout_of(engine, args.model), host=args.kv_host)
     if args.role == "prefill":
         node = PrefillNode(
             engine, args.model, args.node_id, broker, transfer, heartbeat, metrics=node_metrics

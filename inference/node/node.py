@@ -32,7 +32,7 @@ from dramatiq.errors import BrokerConnectionError
 
 from inference.disagg.decode import RemotePrefills
 from inference.disagg.layout import kv_layout_of
-from inference.disagg.transfer import KVTransfer
+from inference.disagg.transfer import GroupTransfer, KVTransfer
 from inference.engine.llm_engine import LLMEngine
 from inference.engine.outputs import RequestOutput, Timings
 from inference.engine.sampling_params import SamplingParams
@@ -116,7 +116,7 @@ class Node:
         publisher: DeltaPublisher | None = None,
         heartbeat: HeartbeatSink | None = None,
         role: str = "unified",
-        kv: KVTransfer | None = None,
+        kv: KVTransfer | GroupTransfer | None = None,
         poll_ms: int = 4,
         busy_poll_ms: int = 20,
         report_ms: int = 50,

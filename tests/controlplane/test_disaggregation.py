@@ -143,6 +143,14 @@ def test_a_turn_sent_before_its_node_beat_counts_as_cached_there(redis_state):
             id="another layout",
         ),
         pytest.param([state_of("prefill-1", PREFILL, layout=None)], id="no layout"),
+        pytest.param(
+            [
+                state_of(
+                    "prefill-1", PREFILL, layout={**LAYOUT, "num_kv_heads": 1, "tensor_parallel": 2}
+                )
+            ],
+            id="a group of another size",
+        ),
     ],
 )
 def test_without_a_fit_prefill_node_the_decode_node_prefills(redis_state, prefill_pool):
@@ -150,6 +158,17 @@ def test_without_a_fit_prefill_node_the_decode_node_prefills(redis_state, prefil
     route = routed(nodes, LONG, redis_state)
     assert (route.node, route.prefill_queue) == ("decode-a", None)
     assert route.queue == node_queue(MODEL, "decode-a")
+
+
+def test_a_latent_cache_pairs_groups_of_different_sizes(redis_state):
+    # MLA's latent cache is whole on every rank: a prefill group of two fills a one-rank node.
+    latent = {**LAYOUT, "kinds": 1, "num_kv_heads": 1, "head_dim": 40}
+    nodes = [
+        state_of("decode-a", layout=latent),
+        state_of("prefill-1", PREFILL, layout={**latent, "tensor_parallel": 2}),
+    ]
+    route = routed(nodes, LONG, redis_state)
+    assert route.prefill_queue == prefill_node_queue(MODEL, "prefill-1")
 
 
 def test_a_decode_node_without_a_layout_is_never_split(redis_state):

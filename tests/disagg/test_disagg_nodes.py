@@ -8,7 +8,6 @@ import copy
 import time
 
 import dramatiq
-import pytest
 
 from inference.node.node import Node
 from inference.protocol.disagg import PrefillRequest
@@ -33,14 +32,6 @@ from tests.disagg.nodes import (
 from tests.waiting import wait_for
 
 LONG = list(range(3, 203))  # 200 tokens in 13 blocks: 12 full, the 13th holds the last 8
-
-
-@pytest.fixture
-def broker():
-    broker = make_broker()
-    yield broker
-    broker.flush_all()
-    broker.close()
 
 
 def unified_results(model_dir, bodies: list[dict]) -> dict[str, dict]:

@@ -9,7 +9,14 @@ import time
 import pytest
 import torch
 
-from inference.disagg.layout import KVLayout, KVPeers, KVRegion, LayoutMismatchError, kv_layout_of
+from inference.disagg.layout import (
+    KVLayout,
+    KVPeers,
+    KVRegion,
+    LayoutMismatchError,
+    RankBuffer,
+    kv_layout_of,
+)
 from inference.disagg.transfer import KVTransfer, contiguous_runs
 from inference.engine import EngineConfig, LLMEngine, SamplingParams
 from inference.engine.sequence import SequenceStatus
@@ -205,9 +212,9 @@ def test_a_fragmented_write_of_thousands_of_pieces_goes_through_and_the_next_one
 def test_layouts_that_differ_are_refused_naming_every_difference():
     ours = KVLayout("tiny", "bfloat16", 16, 4, 2, 32)
     peers = KVPeers(ours)
-    same = KVRegion("127.0.0.1:1", 1, 10, KVLayout("tiny", "bf16", 16, 4, 2, 32))
+    same = KVRegion((RankBuffer("127.0.0.1:1", 1),), 10, KVLayout("tiny", "bf16", 16, 4, 2, 32))
     peers.check(same)
-    other = KVRegion("127.0.0.1:2", 1, 10, KVLayout("tiny", "float32", 8, 4, 2, 32))
+    other = KVRegion((RankBuffer("127.0.0.1:2", 1),), 10, KVLayout("tiny", "float32", 8, 4, 2, 32))
     with pytest.raises(LayoutMismatchError) as raised:
         peers.check(other)
     message = str(raised.value)

@@ -129,9 +129,9 @@ def test_a_group_node_whose_follower_dies_exits_and_its_requests_run_once_elsewh
     assert set(completed_by.values()) == {"node-b"}
 
 
-def test_a_group_node_refuses_a_disaggregated_role(capsys):
+def test_a_group_node_may_take_a_disaggregated_role():
+    # Each rank moves its share of the KV (tests/disagg/test_group_transfer.py).
     argv = ["--model", MODEL, "--tensor-parallel", "2"]
-    assert parse_args(argv).tensor_parallel == 2
-    with pytest.raises(SystemExit):
-        parse_args([*argv, "--role", "decode"])
-    assert "disaggregated roles run on one rank for now" in capsys.readouterr().err
+    for role in ("prefill", "decode"):
+        args = parse_args([*argv, "--role", role])
+        assert (args.tensor_parallel, args.role) == (2, role)
