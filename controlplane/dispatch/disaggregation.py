@@ -12,7 +12,7 @@ long the chat. So a request is split only when
 - the decode route is a `decode` node (a `unified` node prefills what it takes itself; on the
   shared queue, every live node that may take it is a decode node), and
 - a live prefill node can pair with the decode node, and is not saturated. Pairing takes
-  `kv_layout`s in both heartbeats that map (inference/disagg/layout.py `layouts_pair`: the same
+  `kv_layout`s in both heartbeats that map (inference/protocol/kv_layout.py `layouts_pair`: the same
   model, dtype, block size, layers, KV heads and head dim, and groups of the same size, or MLA's
   latent cache between any sizes): the blocks are copied as they are, rank to rank. On the shared
   queue any decode node may take the request, so the prefill node must pair with every live
@@ -46,7 +46,7 @@ from controlplane.dispatch.routing import (
     prefix_matches,
     prompt_block_hashes,
 )
-from inference.disagg.layout import layouts_pair
+from inference.protocol.kv_layout import layouts_pair
 from inference.protocol.messages import prefill_node_queue
 
 

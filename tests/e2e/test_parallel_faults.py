@@ -74,7 +74,7 @@ def test_a_rank_killed_mid_step_takes_its_group_down_and_loses_nothing(
         print(stack.outputs())
         raise
     jobs = assert_settled_once(stack, job_ids)
-    # What node-a's group ran when it went down finished on node-b. (Its second start is counted
+    # What node-a's group ran when it went down ran again on node-b. (Its second run is counted
     # unless the worker took node-b's result before node-b's start notice: test_faults.py.)
     assert any(job.node == "node-b" for job in jobs)
     assert all(job.attempts in (1, 2) for job in jobs)
