@@ -124,6 +124,19 @@ def start_notice_sent(stack) -> bool:
     )
 
 
+def finish_on_node_b(stack, model: str, job_ids: list[str]) -> None:
+    """After node-a died: node-b starts once the worker has recorded node-a's starts (a start
+    notice recorded after its job completed elsewhere is late, not a run, and is not counted),
+    and finishes every job."""
+    wait_for(
+        lambda: Job.objects.filter(id__in=job_ids, node="node-a").exists(),
+        timeout_s=120,
+        what="the worker recording node-a's start",
+    )
+    stack.start_node(model, "node-b", threads=1)
+    wait_until_completed(job_ids)
+
+
 def wait_until_completed(job_ids: list[str]) -> None:
     wait_for(
         lambda: Job.objects.filter(id__in=job_ids, status=Job.COMPLETED).count() == len(job_ids),
@@ -171,15 +184,7 @@ def test_a_node_killed_mid_generation_loses_nothing(stack, tiny_model, acme_key,
         wait_for(lambda: start_notice_sent(stack), what="node-a starting a request")
         stack.processes["node-node-a"].send_signal(signal.SIGKILL)
         stack.processes["node-node-a"].wait(timeout=10)
-        # node-b starts once the worker has recorded node-a's starts: a start notice recorded
-        # after its job completed elsewhere is late, not a run, and is not counted.
-        wait_for(
-            lambda: Job.objects.filter(id__in=job_ids, node="node-a").exists(),
-            timeout_s=120,
-            what="the worker recording node-a's start",
-        )
-        stack.start_node(tiny_model.id, "node-b", threads=1)
-        wait_until_completed(job_ids)
+        finish_on_node_b(stack, tiny_model.id, job_ids)
     except Exception:
         print(stack.outputs())
         raise

@@ -8,38 +8,20 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 
 import pytest
 
-from controlplane.jobs.models import Job
 from tests.e2e.test_faults import (
     assert_settled_once,
+    finish_on_node_b,
     start_jobs,
     start_notice_sent,
-    wait_until_completed,
 )
 from tests.e2e.user_path import wait_for
+from tests.inference.test_tensor_parallel_engine import gone
+from tests.inference.test_tensor_parallel_node import followers_of
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def followers_of(pid: int) -> list[int]:
-    """The rank processes a node started: its children that multiprocessing spawned (not its
-    resource tracker)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            stat = (proc / "stat").read_text()
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        if parent == pid and "spawn_main" in cmdline and "resource_tracker" not in cmdline:
-            found.append(int(proc.name))
-    return found
 
 
 def test_a_rank_killed_mid_step_takes_its_group_down_and_loses_nothing(
@@ -62,14 +44,8 @@ def test_a_rank_killed_mid_step_takes_its_group_down_and_loses_nothing(
         os.kill(ranks[0], signal.SIGKILL)
         # The group is down: the node exits non-zero on its own, promptly.
         assert node.wait(timeout=60) != 0
-        assert not followers_of(node.pid)
-        wait_for(
-            lambda: Job.objects.filter(id__in=job_ids, node="node-a").exists(),
-            timeout_s=120,
-            what="the worker recording node-a's start",
-        )
-        stack.start_node(tiny_model.id, "node-b", threads=1)
-        wait_until_completed(job_ids)
+        assert all(gone(rank) for rank in ranks)
+        finish_on_node_b(stack, tiny_model.id, job_ids)
     except Exception:
         print(stack.outputs())
         raise
