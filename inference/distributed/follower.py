@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from inference.distributed.parallel import Parallel
 from inference.distributed.step_broadcast import receive_step
 from inference.engine.config import EngineConfig
 from inference.engine.model_runner import ModelRunner
@@ -77,7 +76,7 @@ def run_follower(spec: FollowerSpec, report: multiprocessing.connection.Connecti
             spec.directory,
             spec.num_blocks,
             spec.max_model_len,
-            Parallel(spec.rank, world, config.expert_parallel),
+            config.parallel(spec.rank),
         )
     except BaseException:
         report.send(traceback.format_exc())

@@ -9,7 +9,12 @@ A group of `world_size` ranks (processes, one device each) serves one model as o
   split like a dense MLP (by its intermediate size); with the world size, each rank holds a
   contiguous share of whole experts, runs them on the tokens routed to them, and the same
   all-reduce combines the shares. Routing is computed on every rank from the same hidden state
-  and weights, so every rank makes the same choice.
+  and weights, so every rank makes the same choice;
+- data-parallel attention (`data_parallel_attention`, DeepSeek's serving layout; experts spread
+  across every rank): each rank holds the attention, the dense MLPs, the shared experts and the
+  vocabulary whole and runs them on its own sequences only (their KV is in its cache alone);
+  the tokens each rank routes to another rank's experts go there and their outputs come back by
+  all-to-all (moe.py). Between layers a rank holds the hidden state of its own tokens.
 
 `Parallel.single()` is the one-device case: every share is the whole, every collective returns
 its input unchanged, so the model code reads the same with or without a group.
@@ -30,6 +35,7 @@ class Parallel:
     world_size: int = 1
     expert_parallel: int = 1
     group: Any = None  # the torch.distributed process group; None: the default one
+    data_parallel_attention: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -52,6 +58,25 @@ class Parallel:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    def dense(self) -> Parallel:
+        """How the attention, the dense MLPs, the shared experts and the vocabulary are split:
+        across the group (tensor-parallel attention), or not at all (data-parallel attention:
+        every rank holds them whole, so their collectives are no-ops)."""
+        return _ONE_DEVICE if self.data_parallel_attention else self
+
+    def all_to_all(
+        self, tensor: torch.Tensor, send_counts: list[int], receive_counts: list[int]
+    ) -> torch.Tensor:
+        """Rows of `tensor` sent to each rank in rank order (`send_counts[r]` rows to rank r),
+        and the rows every rank sent here, in rank order (`receive_counts[r]` from rank r)."""
+        if not self.distributed:
+            return tensor
+        out = tensor.new_empty((sum(receive_counts), *tensor.shape[1:]))
+        dist.all_to_all_single(
+            out, tensor.contiguous(), receive_counts, send_counts, group=self.group
+        )
+        return out
+
     def share(self, total: int, what: str = "dimension") -> tuple[int, int]:
         """This rank's contiguous share [start, stop) of `total` units split evenly across the
         ranks; a ValueError naming `what` when they do not split evenly."""
@@ -73,3 +98,6 @@ class Parallel:
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(parts, tensor.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
+
+
+_ONE_DEVICE = Parallel()

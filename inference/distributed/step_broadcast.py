@@ -3,8 +3,9 @@ stop.
 
 Rank 0 decides every step (scheduler, block manager, prefix cache); the followers only need
 what the model's forward reads: the flattened token ids, positions, slot mapping, query and
-context lengths, block tables, and which rows sample (every rank computes their logits, since
-the LM head's collective must pair up; only rank 0 samples). A step travels as two int64
+context lengths, block tables, which rows sample (every rank computes their logits, since
+the LM head's collective must pair up; only rank 0 samples), and the rank whose cache holds each
+sequence (data-parallel attention: each rank runs only its own). A step travels as two int64
 broadcasts on the group's control group: a fixed header with the sizes, then one payload tensor
 holding the lists end to end. Integers only, no pickling, and on CPU tensors, so the control
 group is gloo whatever backend the model's collectives use.
@@ -42,6 +43,7 @@ def send_step(step: FlatStep, group) -> None:
         *(len(table) for table in tables),
         *(block for table in tables for block in table),
         *step.sample_rows,
+        *step.seq_ranks,
     ]
     dist.broadcast(torch.tensor(header, dtype=torch.long), src=0, group=group)
     dist.broadcast(torch.tensor(payload, dtype=torch.long), src=0, group=group)
@@ -89,7 +91,7 @@ def receive_step(group, runner: ModelRunner) -> FlatStep | None:
     if kind == _STOP:
         return None
     payload = torch.empty(
-        3 * num_tokens + 3 * num_seqs + num_entries + num_samples, dtype=torch.long
+        3 * num_tokens + 4 * num_seqs + num_entries + num_samples, dtype=torch.long
     )
     dist.broadcast(payload, src=0, group=group)
     values = payload.tolist()
@@ -111,4 +113,5 @@ def receive_step(group, runner: ModelRunner) -> FlatStep | None:
         context_lens=context_lens,
         block_tables=block_tables,
         sample_rows=take(num_samples),
+        seq_ranks=take(num_seqs),
     )

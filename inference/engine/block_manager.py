@@ -50,6 +50,19 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
 
+    @property
+    def max_sequence_blocks(self) -> int:
+        """The most blocks one sequence can hold: the whole pool."""
+        return len(self.blocks)
+
+    def free_blocks_for(self, seq: Sequence) -> int:
+        """Free blocks `seq` could take (all of them: one pool)."""
+        return len(self.free_block_ids)
+
+    def shares_pool(self, seq: Sequence, other: Sequence) -> bool:
+        """Whether freeing the blocks of `other` gives blocks `seq` can take (always: one pool)."""
+        return True
+
     def cached_block_hashes(self, limit: int | None = None) -> list[bytes]:
         """The hashes the prefix cache can serve now (for node heartbeats); at most `limit`:
         those of blocks in use first, then free ones, most recently freed first. Those are the

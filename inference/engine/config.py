@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from inference.distributed.parallel import Parallel
+
 _DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
@@ -31,6 +33,9 @@ class EngineConfig:
     the group's size (each rank holds whole experts); `distributed_backend` is None for gloo on
     the CPU, nccl on CUDA; `distributed_timeout_s` bounds how long rank 0 waits on a collective
     or a follower before the step fails. `kv_cache_memory_bytes` is each rank's budget.
+    `data_parallel_attention` (a group whose experts are spread, `expert_parallel` = the group's
+    size, or a dense model) has each rank run the attention of its own sequences, whole, over
+    its own cache, and exchange tokens with the other ranks' experts by all-to-all.
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -55,6 +60,7 @@ class EngineConfig:
     expert_parallel: int = 1
     distributed_backend: str | None = None
     distributed_timeout_s: float = 300.0
+    data_parallel_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -88,6 +94,8 @@ class EngineConfig:
             )
         if self.distributed_backend == "nccl" and not self.device.startswith("cuda"):
             raise ValueError("distributed_backend='nccl' needs a CUDA device")
+        if self.data_parallel_attention and self.tensor_parallel == 1:
+            raise ValueError("data_parallel_attention needs a group: set tensor_parallel > 1")
         if self.distributed_timeout_s <= 0:
             raise ValueError("distributed_timeout_s must be positive")
 
@@ -101,6 +109,15 @@ class EngineConfig:
         if self.distributed_backend is not None:
             return self.distributed_backend
         return "nccl" if self.device.startswith("cuda") else "gloo"
+
+    def parallel(self, rank: int) -> Parallel:
+        """How rank `rank` of this engine's group (rank 0 alone: one device) holds the model."""
+        return Parallel(
+            rank,
+            self.tensor_parallel,
+            self.expert_parallel,
+            data_parallel_attention=self.data_parallel_attention,
+        )
 
     def rank_device(self, rank: int) -> str:
         """The device rank `rank` of a group runs on: its own GPU on CUDA (`cuda:rank`)."""

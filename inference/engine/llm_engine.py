@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from inference.distributed.group import RankGroup
-from inference.distributed.parallel import Parallel
 from inference.engine.block_manager import BlockManager
+from inference.engine.block_partitions import PartitionedBlockManager
 from inference.engine.config import EngineConfig
 from inference.engine.detokenizer import IncrementalDetokenizer
 from inference.engine.kv_cache import num_blocks_for_budget
@@ -52,9 +52,15 @@ class LLMEngine:
         self.tokenizer = Tokenizer(directory)
         model_len = self.model_config.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or model_len, model_len)
-        parallel = Parallel(0, self.config.tensor_parallel, self.config.expert_parallel)
+        parallel = self.config.parallel(0)
         if parallel.expert_parallel > 1 and self.model_config.moe is None:
             raise ValueError("expert_parallel > 1 needs a mixture-of-experts model")
+        moe = self.model_config.moe
+        if parallel.data_parallel_attention and moe is not None and parallel.expert_parallel == 1:
+            raise ValueError(
+                "data-parallel attention sends each token to the rank holding its expert: set "
+                f"expert_parallel to the group's size ({parallel.world_size})"
+            )
         # Rank 0 decides the block count for the whole group, from one rank's share of the KV.
         num_blocks = self.config.num_kv_blocks or num_blocks_for_budget(
             self.model_config.for_rank(parallel),
@@ -67,9 +73,18 @@ class LLMEngine:
                 f"kv_cache_memory_bytes={self.config.kv_cache_memory_bytes} holds {num_blocks} "
                 "blocks; at least 2 are needed"
             )
-        self.block_manager = BlockManager(
-            num_blocks, self.config.block_size, self.config.enable_prefix_caching
-        )
+        if parallel.data_parallel_attention:
+            # Each rank's cache holds its own sequences' KV: one pool per rank.
+            self.block_manager = PartitionedBlockManager(
+                parallel.world_size,
+                num_blocks,
+                self.config.block_size,
+                self.config.enable_prefix_caching,
+            )
+        else:
+            self.block_manager = BlockManager(
+                num_blocks, self.config.block_size, self.config.enable_prefix_caching
+            )
         self.scheduler = Scheduler(
             self.block_manager,
             self.config.max_num_batched_tokens,
@@ -147,6 +162,12 @@ class LLMEngine:
         if request_id in self.sequences:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         self._validate_prompt(prompt_token_ids)
+        if (remote_prefill or prefill_only) and self.config.data_parallel_attention:
+            raise InvalidRequestError(
+                "this node serves with data-parallel attention, which does not take part in "
+                "disaggregated prefill",
+                param="prefill",
+            )
         prompt_len = len(prompt_token_ids)
         room = self.max_model_len - prompt_len
         if room < 1:
@@ -163,10 +184,10 @@ class LLMEngine:
             )
         max_total = prompt_len + (params.max_tokens or room)
         blocks = -(-max_total // self.config.block_size)
-        if blocks > self.block_manager.num_blocks:
+        if blocks > self.block_manager.max_sequence_blocks:
             raise InvalidRequestError(
                 f"the request needs up to {max_total} tokens of KV cache but this node's cache "
-                f"holds {self.block_manager.num_blocks * self.config.block_size}",
+                f"holds {self.block_manager.max_sequence_blocks * self.config.block_size}",
                 param="max_tokens",
             )
         vocab = self.model_config.vocab_size
@@ -242,7 +263,7 @@ class LLMEngine:
         computed = len(hits) * self.block_manager.block_size
         total = len(prompt_token_ids) + (max_tokens or 0)
         needed = self.block_manager.blocks_needed(seq, total - computed, hits)
-        return needed <= self.block_manager.num_free_blocks
+        return needed <= self.block_manager.free_blocks_for(seq)
 
     def _awaiting(self, request_id: str, epoch: int) -> Sequence | None:
         seq = self.scheduler.awaiting_kv.get(request_id)

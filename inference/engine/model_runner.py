@@ -44,6 +44,38 @@ class FlatStep:
     context_lens: list[int]
     block_tables: list[list[int]]
     sample_rows: list[int]
+    # The rank whose cache holds each sequence's blocks (data-parallel attention), else zeros.
+    seq_ranks: list[int]
+
+    def for_rank(self, rank: int) -> FlatStep:
+        """The part of the step whose sequences run on `rank` (data-parallel attention), its
+        sampling rows renumbered; block tables and slots are that rank's own already."""
+        local = FlatStep([], [], [], [], [], [], [], [])
+        samples = set(self.sample_rows)
+        start = 0
+        for index, length in enumerate(self.query_lens):
+            stop = start + length
+            if self.seq_ranks[index] == rank:
+                local.input_ids += self.input_ids[start:stop]
+                local.positions += self.positions[start:stop]
+                local.slot_mapping += self.slot_mapping[start:stop]
+                local.query_lens.append(length)
+                local.context_lens.append(self.context_lens[index])
+                local.block_tables.append(self.block_tables[index])
+                local.seq_ranks.append(rank)
+                if stop - 1 in samples:
+                    local.sample_rows.append(len(local.input_ids) - 1)
+            start = stop
+        return local
+
+    def sample_ranks(self) -> list[int]:
+        """The rank of each sampling row's sequence, in `sample_rows` order."""
+        ends, owners = [], []
+        for length, rank in zip(self.query_lens, self.seq_ranks, strict=True):
+            ends.append((ends[-1] if ends else 0) + length)
+            owners.append(rank)
+        by_last_row = {end - 1: rank for end, rank in zip(ends, owners, strict=True)}
+        return [by_last_row[row] for row in self.sample_rows]
 
 
 class ModelRunner:
@@ -109,7 +141,7 @@ class ModelRunner:
 
     def flatten(self, scheduled: list[ScheduledSequence]) -> tuple[FlatStep, list[Sequence]]:
         """The step's flat batch, and the sequences that sample (in `sample_rows` order)."""
-        step = FlatStep([], [], [], [], [], [], [])
+        step = FlatStep([], [], [], [], [], [], [], [])
         sampling: list[Sequence] = []
         bs = self.block_size
         for item in scheduled:
@@ -122,6 +154,7 @@ class ModelRunner:
             step.query_lens.append(item.num_new_tokens)
             step.context_lens.append(end)
             step.block_tables.append(table)
+            step.seq_ranks.append(seq.partition)
             if end == seq.num_tokens and not seq.prefill_only:
                 step.sample_rows.append(len(step.input_ids) - 1)
                 sampling.append(seq)
@@ -132,6 +165,48 @@ class ModelRunner:
         """The forward over `step`, writing its KV; the float32 logits of its sampling rows
         ([rows, vocab]), or None when none samples. Every rank of a group runs it on the same
         step, so that the model's collectives pair up."""
+        if self.parallel.data_parallel_attention:
+            return self._execute_own_sequences(step)
+        hidden = self._forward(step)
+        if not step.sample_rows:
+            return None
+        rows = torch.tensor(step.sample_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, rows))
+
+    def _execute_own_sequences(self, step: FlatStep) -> torch.Tensor | None:
+        """Data-parallel attention: the forward over this rank's sequences of `step` (or only
+        the sparse layers' exchanges, when it has none), then every rank's sampling rows'
+        hidden states gathered; rank 0 computes their logits (the LM head is whole on every
+        rank), the followers return None."""
+        parallel, model = self.parallel, self.model
+        local = step.for_rank(parallel.rank)
+        if local.input_ids:
+            hidden = self._forward(local)
+        else:
+            model.idle()
+            hidden = torch.empty(0, model.config.hidden_size, dtype=model.dtype)
+        owners = step.sample_ranks()
+        if not owners:
+            return None
+        counts = [owners.count(rank) for rank in range(parallel.world_size)]
+        width = max(counts)
+        mine = hidden.new_zeros(width, hidden.shape[1])
+        if local.sample_rows:
+            rows = torch.tensor(local.sample_rows, dtype=torch.long, device=self.device)
+            mine[: len(local.sample_rows)] = hidden.index_select(0, rows)
+        gathered = parallel.all_gather(mine, dim=0)  # rank r's rows at [r * width, ...)
+        if parallel.rank != 0:
+            return None
+        taken = [0] * parallel.world_size
+        order = []
+        for rank in owners:
+            order.append(rank * width + taken[rank])
+            taken[rank] += 1
+        index = torch.tensor(order, dtype=torch.long, device=self.device)
+        return model.compute_logits(gathered.index_select(0, index))
+
+    def _forward(self, step: FlatStep) -> torch.Tensor:
+        """The model's hidden states over the tokens of `step`, its KV written."""
         position_ids = torch.tensor(step.positions, dtype=torch.long, device=self.device)
         rotary_cos, rotary_sin = self.model.rotary_tables(position_ids)
         batch = ForwardBatch(
@@ -144,8 +219,4 @@ class ModelRunner:
             ),
         )
         ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
-        hidden = self.model.forward(ids, batch, self.kv_caches)
-        if not step.sample_rows:
-            return None
-        rows = torch.tensor(step.sample_rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, rows))
+        return self.model.forward(ids, batch, self.kv_caches)

@@ -123,7 +123,12 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(seq, num_new):
                 victim = next(
-                    (s for s in reversed(self.running) if s.request_id not in scheduled_ids),
+                    (
+                        s
+                        for s in reversed(self.running)
+                        if s.request_id not in scheduled_ids
+                        and self.block_manager.shares_pool(seq, s)
+                    ),
                     None,
                 )
                 self._preempt(victim)
@@ -163,7 +168,7 @@ class Scheduler:
             # consecutive runs (BlockManager.allocate_slots), however many chunks compute them.
             allocate = seq.num_tokens - computed if seq.prefill_only else num_new
             needed = self.block_manager.blocks_needed(seq, allocate, hits)
-            if needed > self.block_manager.num_free_blocks:
+            if needed > self.block_manager.free_blocks_for(seq):
                 break
             self.waiting.popleft()
             self.block_manager.admit(seq, hits)
@@ -196,7 +201,7 @@ class Scheduler:
         reserve = seq.num_blocks_for(total, manager.block_size) - seq.num_blocks_for(
             seq.num_tokens, manager.block_size
         )
-        if needed + reserve > manager.num_free_blocks:
+        if needed + reserve > manager.free_blocks_for(seq):
             return False
         self.waiting.popleft()
         manager.admit(seq, hits)

@@ -46,6 +46,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        # The block pool its blocks come from: a rank's cache under data-parallel attention
+        # (PartitionedBlockManager, chosen at each admission), else 0.
+        self.partition = 0
         self.block_hashes: list[bytes] = []
         self.num_committed_blocks = 0
         self.num_cached_tokens: int | None = None

@@ -7,9 +7,14 @@ Weights are plain tensors: the engine never trains, so there is no autograd stat
 
 Across a group of ranks (`Parallel`) every layer holds its rank's share and ends in one
 all-reduce, so every rank holds the whole hidden state between layers and `forward` returns it
-whole on every rank. The embedding and the LM head are split by vocabulary (`sharding.vocab_share`):
-a rank embeds the tokens of its share (zero rows for the others) and an all-reduce sums them; its
-logits of its share are gathered from every rank into the full vocabulary.
+whole on every rank. The embedding and the LM head are split by vocabulary
+(`sharding.vocab_share`): a rank embeds the tokens of its share (zero rows for the others) and an
+all-reduce sums them; its logits of its share are gathered from every rank into the full
+vocabulary.
+
+Under data-parallel attention a rank's forward sees its own sequences' tokens only: attention,
+dense MLPs and vocabulary are whole on every rank, and only the sparse layers exchange tokens
+(`idle` is a step without tokens of its own).
 """
 
 from __future__ import annotations
@@ -50,11 +55,11 @@ class DecoderLayer:
         self.input_norm = torch.ones(hidden, dtype=dtype)
         self.post_attention_norm = torch.ones(hidden, dtype=dtype)
         attention = MLAttention if config.mla is not None else LlamaAttention
-        self.attention = attention(config, dtype, parallel)
+        self.attention = attention(config, dtype, parallel.dense())
         if config.moe is not None and config.moe.is_sparse(index):
             self.mlp = SparseMoE(config.moe, hidden, dtype, parallel)
         else:
-            self.mlp = DenseMLP(hidden, config.intermediate_size, dtype, parallel)
+            self.mlp = DenseMLP(hidden, config.intermediate_size, dtype, parallel.dense())
 
 
 _ONE_DEVICE = Parallel.single()
@@ -75,7 +80,9 @@ class DecoderModel:
         self.dtype = dtype
         self.parallel = parallel
         self.kv_config = config.for_rank(parallel)
-        self.vocab = vocab_share(config.vocab_size, parallel)
+        # The vocabulary is split like the attention: not at all under data-parallel attention.
+        self.vocab_parallel = parallel.dense()
+        self.vocab = vocab_share(config.vocab_size, self.vocab_parallel)
         # Zeros: a padded share's rows past the vocabulary embed and score nothing.
         self.embed_tokens = torch.zeros(self.vocab.size, config.hidden_size, dtype=dtype)
         self.layers = [
@@ -114,12 +121,19 @@ class DecoderModel:
         return hidden
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if not self.parallel.distributed:
+        if not self.vocab_parallel.distributed:
             return self.embed_tokens.index_select(0, input_ids)
         local = input_ids - self.vocab.start
         elsewhere = (local < 0) | (local >= self.vocab.stop - self.vocab.start)
         rows = self.embed_tokens.index_select(0, local.masked_fill(elsewhere, 0))
-        return self.parallel.all_reduce(rows.masked_fill_(elsewhere.unsqueeze(1), 0))
+        return self.vocab_parallel.all_reduce(rows.masked_fill_(elsewhere.unsqueeze(1), 0))
+
+    def idle(self) -> None:
+        """A step in which this rank has no token of its own (data-parallel attention): it only
+        takes part in each sparse layer's exchange, so that the other ranks' tokens reach its
+        experts and come back."""
+        for mlp in self.sparse_layers:
+            mlp.forward(torch.empty(0, self.config.hidden_size, dtype=self.dtype))
 
     def rotary_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token rotary tables for one step, shared by every layer."""
@@ -129,9 +143,9 @@ class DecoderModel:
         """Float32 logits [N, vocab] for the rows of `hidden` that sample a token (the whole
         vocabulary on every rank: each rank's share gathered, the padding cut off)."""
         logits = ops.linear(hidden, self.lm_head).float()
-        if not self.parallel.distributed:
+        if not self.vocab_parallel.distributed:
             return logits
-        logits = self.parallel.all_gather(logits)
+        logits = self.vocab_parallel.all_gather(logits)
         vocab_size = self.config.vocab_size
         return logits if logits.shape[1] == vocab_size else logits[:, :vocab_size].contiguous()
 

@@ -153,6 +153,10 @@ class ModelConfig:
         is the same on every rank. A ValueError when the heads or sizes do not split."""
         if not parallel.distributed:
             return self
+        if parallel.data_parallel_attention:
+            if self.moe is not None:
+                expert_share(self.moe.num_experts, parallel)  # whole experts, evenly spread
+            return self  # every rank computes every head of its own sequences
         heads = attention_heads(self.num_heads, self.num_kv_heads, parallel)
         moe = self.moe
         if moe is not None:

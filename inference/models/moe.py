@@ -16,6 +16,10 @@ size a rank holds a contiguous share of whole experts and runs only the (token, 
 routed to them. The shared expert is split like a dense MLP either way. Every rank's output is a
 partial sum (its experts' or its intermediate share's, plus its share of the shared expert), and
 one all-reduce combines them.
+
+Under data-parallel attention (experts spread, each rank serving its own sequences) the pairs go
+to the rank holding their expert and their outputs come back, by all-to-all (`_dispatched`); the
+shared expert is whole on every rank and no all-reduce follows.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ class SparseMoE:
         self.w13 = torch.empty(experts, 2 * inter, hidden_size, dtype=dtype)
         self.w2 = torch.empty(experts, hidden_size, inter, dtype=dtype)
         self.shared = (
-            DenseMLP(hidden_size, moe.shared_intermediate_size, dtype, parallel)
+            DenseMLP(hidden_size, moe.shared_intermediate_size, dtype, parallel.dense())
             if moe.shared_intermediate_size
             else None
         )
@@ -85,13 +89,15 @@ class SparseMoE:
         if not moe.router_fp32:
             # Mixtral and the Qwen MoEs weigh the experts in the model's dtype.
             weights = weights.to(hidden.dtype).float()
-        out = self._routed(hidden, weights, experts)
+        dispatch = self.parallel.data_parallel_attention and self.parallel.distributed
+        out = (self._dispatched if dispatch else self._routed)(hidden, weights, experts)
         if self.shared is not None:
             shared = self.shared.partial_forward(hidden)
             if self.shared_gate is not None:
                 shared = torch.sigmoid(ops.linear(hidden, self.shared_gate)) * shared
             out = out + shared
-        return self.parallel.all_reduce(out)
+        # Dispatched, `out` is already whole: each token's experts' outputs came back to it.
+        return out if dispatch else self.parallel.all_reduce(out)
 
     def _routed(
         self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
@@ -114,6 +120,36 @@ class SparseMoE:
             )
             out.index_add_(0, tokens, pairs)
         return out
+
+    def _dispatched(
+        self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed experts' output for this rank's own tokens, under data-parallel attention:
+        each (token, choice) pair goes to the rank holding its expert (one all-to-all of the
+        pairs' expert and weight, one of their hidden rows), that rank runs its experts on every
+        pair it received, and the weighted outputs come back (a third all-to-all) to be summed
+        into their tokens. Every rank takes part in every exchange, with or without tokens."""
+        parallel, top_k = self.parallel, experts.shape[1]
+        per_rank = self.expert_range[1] - self.expert_range[0]
+        # Pairs in the order of the rank that holds their expert (stable: token order within).
+        flat = experts.flatten().long()
+        order = torch.argsort(torch.div(flat, per_rank, rounding_mode="floor"), stable=True)
+        tokens = order // top_k
+        send = torch.bincount(flat // per_rank, minlength=parallel.world_size)
+        receive = parallel.all_to_all(send, [1] * parallel.world_size, [1] * parallel.world_size)
+        send_counts, receive_counts = send.tolist(), receive.tolist()
+        # The expert (this rank's numbering on the receiving side) and the weight of each pair.
+        routing = torch.stack(
+            [(flat[order] % per_rank).float(), weights.flatten()[order].float()], dim=1
+        )
+        routing = parallel.all_to_all(routing, send_counts, receive_counts)
+        rows = parallel.all_to_all(hidden.index_select(0, tokens), send_counts, receive_counts)
+        if rows.shape[0]:
+            rows = ops.fused_moe(
+                rows, self.w13, self.w2, routing[:, 1:], routing[:, :1].long()
+            )
+        back = parallel.all_to_all(rows, receive_counts, send_counts)
+        return torch.zeros_like(hidden).index_add_(0, tokens, back)
 
     def load(self, checkpoint: Checkpoint, prefix: str, family: str) -> None:
         """Read the router, this rank's experts or share of every expert (one tensor per expert

@@ -15,7 +15,9 @@ KV blocks with the Mooncake Transfer Engine on `--kv-host`.
 spreads the experts of a mixture-of-experts model over them); this process is rank 0, the node
 the control plane sees (docs/parallelism.md). A rank that dies ends the node with a non-zero exit,
 and the broker redelivers what it had not finished. A group may take a disaggregated role: each
-rank moves its own share of the KV (docs/disaggregation.md).
+rank moves its own share of the KV (docs/disaggregation.md). `--data-parallel-attention` has
+each rank run the attention of its own sequences and send tokens to the experts' ranks
+(unified role only).
 
 SIGTERM or SIGINT drains the node: it leaves the registry, takes no more work, finishes the
 requests it runs, reports them and exits with 0. A second signal stops it at once: the requests
@@ -77,6 +79,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="1, or --tensor-parallel to spread the experts over the ranks",
     )
     parser.add_argument(
+        "--data-parallel-attention",
+        action="store_true",
+        help="each rank runs the attention of its own sequences; tokens reach the experts "
+        "by all-to-all",
+    )
+    parser.add_argument(
         "--broker-heartbeat-ms",
         type=int,
         default=60_000,
@@ -132,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_wait_s=args.kv_wait_s,
             tensor_parallel=args.tensor_parallel,
             expert_parallel=args.expert_parallel,
+            data_parallel_attention=args.data_parallel_attention,
         )
     )
     broker = make_broker(args)
@@ -142,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     heartbeat = RedisHeartbeat(redis.Redis.from_url(args.redis_url))
     transfer = None
+    if args.role != "unified" and args.data_parallel_attention:
+        engine.close()
+        raise SystemExit("--data-parallel-attention serves the unified role only")
     if args.role != "unified":
         # Every rank of a group registers its own cache (inference/disagg/transfer.py).
         transfer = GroupTransfer(engine, kv_layout_of(engine, args.model), host=args.kv_host)

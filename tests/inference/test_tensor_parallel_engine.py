@@ -34,13 +34,21 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 # 12 blocks of 8 tokens (96 tokens of KV) and 16 tokens a step: prompts over 16 tokens are
 # prefilled in chunks, and four requests of 20 + 12 tokens (4 blocks each) cannot all run.
 ENGINE = dict(dtype="float32", block_size=8, num_kv_blocks=12, max_num_batched_tokens=16)
+# Under data-parallel attention each rank's cache holds its own sequences: 7 blocks a rank, so
+# that the 40-token prompt (7 blocks with its output) still fits and two of the four requests of
+# 4 blocks on one rank still preempt.
+DATA_PARALLEL_ENGINE = dict(ENGINE, num_kv_blocks=7)
+# (family, expert_parallel, data-parallel attention)
 FAMILIES = [
-    pytest.param(("llama", 1), id="llama"),
-    pytest.param(("qwen3", 1), id="qwen3"),
-    pytest.param(("mixtral", 1), id="mixtral"),
-    pytest.param(("qwen2-moe", 1), id="qwen2-moe"),
-    pytest.param(("deepseek-v3", 1), id="deepseek-v3"),
-    pytest.param(("deepseek-v3", 2), id="deepseek-v3-expert-parallel"),
+    pytest.param(("llama", 1, False), id="llama"),
+    pytest.param(("qwen3", 1, False), id="qwen3"),
+    pytest.param(("mixtral", 1, False), id="mixtral"),
+    pytest.param(("qwen2-moe", 1, False), id="qwen2-moe"),
+    pytest.param(("deepseek-v3", 1, False), id="deepseek-v3"),
+    pytest.param(("deepseek-v3", 2, False), id="deepseek-v3-expert-parallel"),
+    pytest.param(("deepseek-v3", 2, True), id="deepseek-v3-data-parallel-attention"),
+    pytest.param(("qwen2-moe", 2, True), id="qwen2-moe-data-parallel-attention"),
+    pytest.param(("llama", 1, True), id="llama-data-parallel"),
 ]
 
 
@@ -57,10 +65,16 @@ def token_ids(llm: LLM, prompts: list[list[int]], namespace: str) -> list[list[i
 def engines(request, tmp_path_factory):
     """(one rank, a group of two) serving one tiny seeded model, built once per family; closed
     at the end of the class, so that no group outlives it (one group per process)."""
-    family, expert_parallel = request.param
+    family, expert_parallel, data_parallel = request.param
     directory = build_tiny_model(tmp_path_factory.mktemp(family), family, seed=0)
     one = LLM(str(directory), **ENGINE)
-    two = LLM(str(directory), tensor_parallel=2, expert_parallel=expert_parallel, **ENGINE)
+    two = LLM(
+        str(directory),
+        tensor_parallel=2,
+        expert_parallel=expert_parallel,
+        data_parallel_attention=data_parallel,
+        **(DATA_PARALLEL_ENGINE if data_parallel else ENGINE),
+    )
     yield one, two
     two.engine.close()
 
@@ -105,15 +119,40 @@ class TestTwoRanksMatchOne:
 
     def test_each_rank_caches_its_share_of_the_kv_heads(self, engines):
         """Attention heads split across the ranks, so does the KV cache (each GQA KV head is
-        on one rank here: 2 KV heads, 2 ranks); MLA's latent, shared by every head, does not."""
+        on one rank here: 2 KV heads, 2 ranks); MLA's latent, shared by every head, does not;
+        under data-parallel attention a rank caches every head of its own sequences."""
         one, two = engines
         whole, share = one.engine.runner.kv_buffer.shape, two.engine.runner.kv_buffer.shape
-        if one.engine.model_config.mla is not None:
+        if two.engine.config.data_parallel_attention:
+            assert share[:2] + share[3:] == whole[:2] + whole[3:]  # [layer, kind, block, ...]
+        elif one.engine.model_config.mla is not None:
             assert share == whole
         else:
             heads = 4  # [layer, kind, block, token, head, dim]
             assert share[heads] == whole[heads] // 2
             assert share[:heads] == whole[:heads] and share[heads + 1 :] == whole[heads + 1 :]
+
+    def test_data_parallel_attention_spreads_the_sequences(self, engines):
+        """A batch runs on both ranks' caches, and rank 0's experts router saw only its own
+        sequences' tokens (the rest were routed on rank 1 and sent over)."""
+        one, two = engines
+        if not two.engine.config.data_parallel_attention:
+            pytest.skip("tensor-parallel attention: every rank runs every sequence")
+        pools = two.engine.block_manager.pools
+        before = [pool.prefix_cache_query_tokens for pool in pools]
+        routed = [llm.engine.stats().expert_tokens for llm in (one, two)]
+        prompts = random_prompts(7, [9, 10, 11, 12, 13, 14])
+        assert token_ids(two, prompts, "spread") == token_ids(one, prompts, "spread")
+        queried = [
+            pool.prefix_cache_query_tokens - b for pool, b in zip(pools, before, strict=True)
+        ]
+        assert all(queried) and sum(queried) == sum(len(p) for p in prompts)
+        if routed[0] is not None:
+            one_routed, rank_0_routed = (
+                sum(llm.engine.stats().expert_tokens) - sum(start)
+                for llm, start in zip((one, two), routed, strict=True)
+            )
+            assert 0 < rank_0_routed < one_routed
 
 
 def test_bf16_two_ranks_stay_close_to_one(tmp_path):
@@ -232,6 +271,14 @@ def test_the_group_settings_are_checked():
     with pytest.raises(ValueError, match="needs a CUDA device"):
         EngineConfig(tensor_parallel=2, distributed_backend="nccl")
     assert EngineConfig(tensor_parallel=2).backend == "gloo"
+    with pytest.raises(ValueError, match="data_parallel_attention needs a group"):
+        EngineConfig(data_parallel_attention=True)
+
+
+def test_data_parallel_attention_needs_the_experts_spread(tmp_path):
+    directory = build_tiny_model(tmp_path / "mixtral", "mixtral", seed=0)
+    with pytest.raises(ValueError, match="set expert_parallel to the group's size"):
+        LLM(str(directory), tensor_parallel=2, data_parallel_attention=True, dtype="float32")
 
 
 def test_expert_parallelism_needs_experts(tiny_llama):

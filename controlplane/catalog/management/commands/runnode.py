@@ -6,8 +6,8 @@ up in the catalog and passes the broker and Redis settings on, and the node's ro
 (prefill and decode), or one side of disaggregated serving (controlplane/catalog/registry.py).
 `--metrics-port` (default HEARTH_NODE_METRICS_PORT; unset or 0: none) serves the node's own
 `/metrics` (inference/node/metrics.py); its log follows the settings' LOGGING (HEARTH_LOG_FORMAT).
-`--tensor-parallel N --expert-parallel M` serve the model from a group of N rank processes, one
-node to the control plane (docs/parallelism.md).
+`--tensor-parallel N --expert-parallel M [--data-parallel-attention]` serve the model from a
+group of N rank processes, one node to the control plane (docs/parallelism.md).
 """
 
 import os
@@ -36,6 +36,7 @@ class Command(BaseCommand):
         parser.add_argument("--kv-wait-s", type=float, default=30.0)
         parser.add_argument("--tensor-parallel", type=int, default=1)
         parser.add_argument("--expert-parallel", type=int, default=1)
+        parser.add_argument("--data-parallel-attention", action="store_true")
         parser.add_argument(
             "--metrics-port", type=int, default=int(os.environ.get("HEARTH_NODE_METRICS_PORT") or 0)
         )
@@ -87,6 +88,8 @@ def node_argv(model: ServedModel, options: dict[str, Any]) -> list[str]:
         "--expert-parallel",
         str(options.get("expert_parallel") or 1),
     ]
+    if options.get("data_parallel_attention"):
+        argv.append("--data-parallel-attention")
     if options["node_id"]:
         argv += ["--node-id", options["node_id"]]
     if options.get("metrics_port"):
