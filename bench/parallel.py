@@ -21,6 +21,13 @@ warm-up request:
   (`comm_share_tp2`, for the batch; `comm_share_tp2_c1` alone);
 - `greedy_mismatches`: requests whose greedy tokens differ between the world sizes (target 0).
 
+Then the same requests on a random-weight Mixtral (8 experts, 2 a token) served three ways: one
+rank (`moe_tp1_tok_s`), two ranks with tensor-parallel attention and the experts spread
+(`moe_ep2_tok_s`: each rank runs its experts on every token, one all-reduce combines them), and two
+ranks with data-parallel attention (`moe_dp2_tok_s`: each rank runs its own sequences, and tokens
+reach the other rank's experts by all-to-all), with rank 0's time in all-to-all and all-reduce
+against the step (`comm_share_dp2`, `comm_share_ep2`) and `moe_greedy_mismatches` over both.
+
 It prints the model, a table (metric, tp1, tp2, ratio, target, met), rank 0's time per step by
 collective and, as the last line of stdout, one JSON object, also written to
 bench/results/parallel.json (parallel-smoke.json with `--config smoke`; `--out` for another
@@ -77,6 +84,7 @@ class RunConfig:
     """A Llama shape (LlamaConfig keywords) and the measurement's sizes."""
 
     model: dict[str, Any]
+    moe_model: dict[str, Any]  # MixtralConfig keywords
     concurrency: int
     prompt_tokens: int
     new_tokens: int
@@ -92,6 +100,16 @@ CONFIGS = {
             num_attention_heads=8,
             num_key_value_heads=4,
         ),
+        moe_model=dict(
+            vocab_size=32000,
+            hidden_size=512,
+            intermediate_size=1024,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+        ),
         concurrency=8,
         prompt_tokens=128,
         new_tokens=32,
@@ -105,6 +123,16 @@ CONFIGS = {
             num_attention_heads=4,
             num_key_value_heads=2,
         ),
+        moe_model=dict(
+            vocab_size=2048,
+            hidden_size=128,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
         concurrency=4,
         prompt_tokens=32,
         new_tokens=8,
@@ -113,13 +141,18 @@ CONFIGS = {
 
 
 # ---- the model ------------------------------------------------------------------------------
-def build_model(directory: Path, shape: dict[str, Any], seed: int) -> int:
-    """Save a random-weight float32 Llama of `shape` with a word-level tokenizer covering its
-    vocabulary; return its parameter count. Weights drawn wider than the default (0.05) so
-    that greedy choices are not near ties that summation order could flip."""
+def build_model(directory: Path, shape: dict[str, Any], seed: int, moe: bool = False) -> int:
+    """Save a random-weight float32 Llama (`moe`: Mixtral) of `shape` with a word-level
+    tokenizer covering its vocabulary; return its parameter count. Weights drawn wider than the
+    default (0.05) so that greedy choices are not near ties that summation order could flip."""
     from tokenizers import Tokenizer as RawTokenizer
     from tokenizers import models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+    from transformers import (
+        AutoModelForCausalLM,
+        LlamaConfig,
+        MixtralConfig,
+        PreTrainedTokenizerFast,
+    )
 
     vocab = {"<eos>": EOS_TOKEN, "<unk>": 1}
     vocab.update({f"w{i}": i for i in range(FIRST_ORDINARY_TOKEN, shape["vocab_size"])})
@@ -128,7 +161,7 @@ def build_model(directory: Path, shape: dict[str, Any], seed: int) -> int:
     PreTrainedTokenizerFast(
         tokenizer_object=raw, eos_token="<eos>", pad_token="<eos>", unk_token="<unk>"
     ).save_pretrained(str(directory))
-    config = LlamaConfig(
+    config = (MixtralConfig if moe else LlamaConfig)(
         **shape,
         max_position_embeddings=2048,
         rms_norm_eps=1e-6,
@@ -206,8 +239,20 @@ def serve(engine, prompts: list[list[int]], new_tokens: int, clock: CollectiveCl
     return list(tokens.values()), seconds, steps, dict(clock.seconds)
 
 
-def measure(directory: Path, world: int, run: RunConfig, seed: int) -> dict[str, Any]:
-    """One world size's figures (world 0: the base process, no model)."""
+# How a group of two holds the model: tensor parallelism; experts spread with tensor-parallel
+# attention; experts spread with data-parallel attention.
+LAYOUTS = {
+    "tp": {},
+    "ep": {"expert_parallel": 2},
+    "dp": {"expert_parallel": 2, "data_parallel_attention": True},
+}
+
+
+def measure(
+    directory: Path, world: int, run: RunConfig, seed: int, layout: str = "tp"
+) -> dict[str, Any]:
+    """One world size's figures (world 0: the base process, no model), the group laid out as
+    `LAYOUTS[layout]`."""
     from inference.engine import LLM
     from inference.engine.tokenizer import Tokenizer
 
@@ -218,7 +263,10 @@ def measure(directory: Path, world: int, run: RunConfig, seed: int) -> dict[str,
         torch.set_num_threads(cpu_count())
     prompts = random_prompts(run.concurrency, run.prompt_tokens, run.model["vocab_size"], seed)
     blocks = run.concurrency * -(-(run.prompt_tokens + run.new_tokens) // 16) + 16
-    llm = LLM(str(directory), dtype="float32", tensor_parallel=world, num_kv_blocks=blocks)
+    options = LAYOUTS[layout] if world > 1 else {}
+    llm = LLM(
+        str(directory), dtype="float32", tensor_parallel=world, num_kv_blocks=blocks, **options
+    )
     engine = llm.engine
     try:
         clock = CollectiveClock()
@@ -252,10 +300,12 @@ def measure(directory: Path, world: int, run: RunConfig, seed: int) -> dict[str,
     }
 
 
-def measure_in_process(directory: Path, world: int, run_name: str, seed: int) -> dict[str, Any]:
+def measure_in_process(
+    directory: Path, world: int, run_name: str, seed: int, layout: str = "tp"
+) -> dict[str, Any]:
     """`measure` in a fresh interpreter (its peak RSS its own), through `--worker`."""
     command = [sys.executable, __file__, "--worker", str(world), "--model-dir", str(directory)]
-    command += ["--config", run_name, "--seed", str(seed)]
+    command += ["--config", run_name, "--seed", str(seed), "--layout", layout]
     log(f"world size {world}: {' '.join(command[1:])}")
     done = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -332,6 +382,38 @@ def report(metrics: dict[str, Any], tp2: dict[str, Any]) -> None:
     print_rows(rows)
 
 
+def comm_ms_per_step(figures: dict[str, Any]) -> dict[str, dict[str, float]]:
+    return {
+        scenario: {
+            label: seconds * 1000 / figures[f"{scenario}_steps"]
+            for label, seconds in figures[f"{scenario}_comm_s"].items()
+        }
+        for scenario in ("batch", "c1")
+    }
+
+
+def report_moe(metrics: dict[str, Any], moe: dict[str, dict[str, Any]]) -> None:
+    """The MoE table: one rank, experts spread under tensor-parallel attention (ep2) and under
+    data-parallel attention (dp2), and rank 0's time per batch step in each collective."""
+    print("\nMixtral: one rank, experts spread (ep2), data-parallel attention (dp2)")
+    rows = [("metric", "tp1", "ep2", "dp2", "ep2/tp1", "dp2/tp1")]
+    for label, key in (("tok_s (batch)", "tok_s"), ("c1_tok_s (alone)", "c1_tok_s")):
+        figures = [metrics[f"moe_{name}_{key}"] for name in ("tp1", "ep2", "dp2")]
+        rows.append(
+            (label, *map(fmt, figures), fmt(figures[1] / figures[0]), fmt(figures[2] / figures[0]))
+        )
+    for label in sorted(set(COLLECTIVES.values())):
+        cells = [
+            f"{moe[name]['batch_comm_s'].get(label, 0.0) * 1000 / moe[name]['batch_steps']:.3f}"
+            for name in ("ep2", "dp2")
+        ]
+        rows.append((f"{label} ms/step (batch)", "0", *cells, "-", "-"))
+    shares = [f"{metrics[f'comm_share_{name}']:.1%}" for name in ("ep2", "dp2")]
+    rows.append(("comm share of step (batch)", "0", *shares, "-", "-"))
+    rows.append(("greedy_mismatches", "-", "-", str(metrics["moe_greedy_mismatches"]), "-", "-"))
+    print_rows(rows)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="small", help="model size")
@@ -339,6 +421,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="JSON path (default: bench/results/...)")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # world size to measure
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), help=argparse.SUPPRESS)
     return parser.parse_args()
 
 
@@ -346,7 +429,7 @@ def main() -> None:
     args = parse_args()
     run = CONFIGS[args.config]
     if args.worker is not None:
-        print(json.dumps(measure(args.model_dir, args.worker, run, args.seed)))
+        print(json.dumps(measure(args.model_dir, args.worker, run, args.seed, args.layout)))
         return
     load_start = os.getloadavg()[0]
     if load_start > 0.5:
@@ -364,6 +447,16 @@ def main() -> None:
         base = measure_in_process(directory, 0, args.config, args.seed)
         tp1 = measure_in_process(directory, 1, args.config, args.seed)
         tp2 = measure_in_process(directory, 2, args.config, args.seed)
+    with tempfile.TemporaryDirectory(prefix="hearth-parallel-moe-") as tmp:
+        directory = Path(tmp)
+        moe_params = build_model(directory, run.moe_model, args.seed, moe=True)
+        shape = ", ".join(f"{key}={value}" for key, value in run.moe_model.items())
+        print(f"model (MoE): Mixtral, random weights, float32, {shape}")
+        print(f"  {moe_params / 1e6:.1f} M parameters; the same prompts")
+        moe = {
+            name: measure_in_process(directory, world, args.config, args.seed, layout)
+            for name, world, layout in (("tp1", 1, "tp"), ("ep2", 2, "ep"), ("dp2", 2, "dp"))
+        }
     base_rss = base["rank_peak_rss_mb"][0]
     metrics: dict[str, Any] = {
         "tp1_tok_s": tp1["tok_s"],
@@ -378,8 +471,19 @@ def main() -> None:
         "comm_share_tp2": comm_share(tp2, "batch"),
         "comm_share_tp2_c1": comm_share(tp2, "c1"),
         "greedy_mismatches": mismatches(tp1["tokens"], tp2["tokens"]),
+        "moe_tp1_tok_s": moe["tp1"]["tok_s"],
+        "moe_ep2_tok_s": moe["ep2"]["tok_s"],
+        "moe_dp2_tok_s": moe["dp2"]["tok_s"],
+        "moe_tp1_c1_tok_s": moe["tp1"]["c1_tok_s"],
+        "moe_ep2_c1_tok_s": moe["ep2"]["c1_tok_s"],
+        "moe_dp2_c1_tok_s": moe["dp2"]["c1_tok_s"],
+        "comm_share_ep2": comm_share(moe["ep2"], "batch"),
+        "comm_share_dp2": comm_share(moe["dp2"], "batch"),
+        "moe_greedy_mismatches": mismatches(moe["tp1"]["tokens"], moe["ep2"]["tokens"])
+        + mismatches(moe["tp1"]["tokens"], moe["dp2"]["tokens"]),
     }
     report(metrics, tp2)
+    report_moe(metrics, moe)
     result = {
         "bench": "parallel",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -390,13 +494,9 @@ def main() -> None:
         "torch": torch.__version__,
         "metrics": metrics,
         "tp2_rank_peak_rss_mb_each": tp2["rank_peak_rss_mb"],
-        "tp2_comm_ms_per_step": {
-            scenario: {
-                label: seconds * 1000 / tp2[f"{scenario}_steps"]
-                for label, seconds in tp2[f"{scenario}_comm_s"].items()
-            }
-            for scenario in ("batch", "c1")
-        },
+        "tp2_comm_ms_per_step": comm_ms_per_step(tp2),
+        "moe_params": moe_params,
+        "moe_comm_ms_per_step": {name: comm_ms_per_step(moe[name]) for name in ("ep2", "dp2")},
         "step_ms": {
             "tp1_batch": tp1["batch_step_ms"],
             "tp2_batch": tp2["batch_step_ms"],

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from inference.protocol.kv_layout import KVLayout, layouts_pair, reader_ranks
+from inference.protocol.kv_layout import HeadRoute, KVLayout, head_routes, layouts_pair
 
-__all__ = ["KVLayout", "layouts_pair", "reader_ranks"]
+__all__ = ["HeadRoute", "KVLayout", "head_routes", "layouts_pair"]
 
 
 class LayoutMismatchError(Exception):
@@ -119,4 +119,5 @@ def kv_layout_of(engine, model: str) -> KVLayout:
         head_dim=dim,
         kinds=kinds,
         tensor_parallel=engine.config.tensor_parallel,
+        total_kv_heads=engine.model_config.kv_cache_shape[1],
     )

@@ -10,7 +10,9 @@ A node that is a group of ranks (docs/parallelism.md) moves its cache rank by ra
 registers its own buffer with a Transfer Engine of its own, in its own process (`GroupTransfer`
 has every rank open one through the group's calls, inference/distributed/rank_call.py), and a
 write is one call on every rank, each writing its blocks into the peer's ranks that hold the same
-heads (`layout.reader_ranks`); rank 0 returns once every rank's write is done. Only rank 0 talks
+heads (`layout.head_routes`): whole blocks between groups of one size, one piece per token slot
+where the peer's ranks hold more or fewer heads than ours; rank 0 returns once every rank's write
+is done. Only rank 0 talks
 to the broker: the followers receive nothing but these calls.
 """
 
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inference.disagg.layout import KVLayout, KVRegion, RankBuffer, reader_ranks
+from inference.disagg.layout import HeadRoute, KVLayout, KVRegion, RankBuffer, head_routes
 from inference.distributed.rank_call import CallFailed
 
 # Mooncake's TCP transport refuses a batch of more than about 2,048 pieces (its per-peer queue),
@@ -83,16 +85,54 @@ class KVTransfer:
         self, peer: KVRegion, src: list[int], dst: list[int], last_tokens: int | None = None
     ) -> WriteStats:
         """Write our blocks `src` into `peer`'s blocks `dst` (every layer, keys and values), in
-        each of the peer's ranks this rank fills (`reader_ranks`: for one rank each side, its
-        one buffer); of the last block only its first `last_tokens` token slots (default: all of
-        them), so that the slots after a prompt's end, which the peer fills itself, are never
-        touched. Raises TransferError when the engine reports a failure."""
+        each of the peer's ranks this rank fills (`head_routes`: for one rank each side, its one
+        buffer, whole blocks); of the last block only its first `last_tokens` token slots
+        (default: all of them), so that the slots after a prompt's end, which the peer fills
+        itself, are never touched. Raises TransferError when the engine reports a failure."""
         started = time.perf_counter()
         pieces = total = 0
-        for target in reader_ranks(self.region.layout, peer.layout, self.rank):
-            count, size = self._write_rank(peer, target, src, dst, last_tokens)
+        for route in head_routes(self.region.layout, peer.layout, self.rank):
+            if route.whole:
+                count, size = self._write_rank(peer, route.target, src, dst, last_tokens)
+            else:
+                count, size = self._write_heads(peer, route, src, dst, last_tokens)
             pieces, total = pieces + count, total + size
         return WriteStats(len(src), pieces, total, time.perf_counter() - started)
+
+    def _write_heads(
+        self,
+        peer: KVRegion,
+        route: HeadRoute,
+        src: list[int],
+        dst: list[int],
+        last_tokens: int | None,
+    ) -> tuple[int, int]:
+        """Write `route`'s heads of each token slot into the peer's rank `route.target`, whose
+        rows hold other heads too (groups of different sizes): one piece per token, layer and
+        kind; the pieces and bytes written."""
+        ours, theirs, lengths = [], [], []
+        layout, peer_layout = self.region.layout, peer.layout
+        head_bytes = layout.head_dim * layout.element_bytes
+        row, peer_row = layout.num_kv_heads * head_bytes, peer_layout.num_kv_heads * head_bytes
+        size = route.heads * head_bytes
+        for index, (src_block, dst_block) in enumerate(zip(src, dst, strict=True)):
+            last = index == len(src) - 1 and last_tokens is not None
+            for token in range(last_tokens if last else layout.block_size):
+                for layer in range(layout.num_layers):
+                    for kind in range(layout.kinds):
+                        ours.append(
+                            self.region.offset(layer, kind, src_block)
+                            + token * row
+                            + route.src_head * head_bytes
+                        )
+                        theirs.append(
+                            peer.offset(layer, kind, dst_block, route.target)
+                            + token * peer_row
+                            + route.dst_head * head_bytes
+                        )
+                        lengths.append(size)
+        self._send(peer.ranks[route.target].endpoint, ours, theirs, lengths, len(src))
+        return len(ours), sum(lengths)
 
     def _write_rank(
         self, peer: KVRegion, target: int, src: list[int], dst: list[int], last_tokens: int | None
@@ -116,15 +156,18 @@ class KVTransfer:
                     ours.append(self.region.offset(layer, kind, src[-1]))
                     theirs.append(peer.offset(layer, kind, dst[-1], target))
                     lengths.append(last_tokens * block_bytes // layout.block_size)
-        endpoint = peer.ranks[target].endpoint
+        self._send(peer.ranks[target].endpoint, ours, theirs, lengths, len(src))
+        return len(ours), sum(lengths)
+
+    def _send(self, endpoint: str, ours: list, theirs: list, lengths: list, blocks: int) -> None:
+        """Write the pieces, at most MAX_BATCH_PIECES a call."""
         for start in range(0, len(ours), MAX_BATCH_PIECES):
             end = start + MAX_BATCH_PIECES
             status = self.engine.batch_transfer_sync_write(
                 endpoint, ours[start:end], theirs[start:end], lengths[start:end]
             )
             if status != 0:
-                raise TransferError(f"writing {len(src)} block(s) to {endpoint} failed")
-        return len(ours), sum(lengths)
+                raise TransferError(f"writing {blocks} block(s) to {endpoint} failed")
 
 
 @dataclass(frozen=True)

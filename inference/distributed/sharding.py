@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from inference.distributed.parallel import Parallel
+from inference.protocol.kv_layout import rank_kv_heads
 
 
 @dataclass(frozen=True)
@@ -56,14 +57,8 @@ def attention_heads(num_heads: int, num_kv_heads: int, parallel: Parallel) -> At
     """The heads `parallel`'s rank computes: an even share of the query heads and of the KV
     heads, or, with fewer KV heads than ranks, the one KV head its query heads read."""
     q_start, q_stop = parallel.share(num_heads, "attention heads")
-    world = parallel.world_size
-    if num_kv_heads >= world:
-        kv_start, kv_stop = parallel.share(num_kv_heads, "KV heads")
-    elif world % num_kv_heads:
-        raise ValueError(f"{num_kv_heads} KV heads do not replicate evenly across {world} ranks")
-    else:
-        kv_start = parallel.rank * num_kv_heads // world
-        kv_stop = kv_start + 1
+    # The wire protocol's rule: a peer maps our cache's heads by it (kv_layout.head_routes).
+    kv_start, kv_stop = rank_kv_heads(num_kv_heads, parallel.world_size, parallel.rank)
     return AttentionHeads(q_start, q_stop, kv_start, kv_stop)
 
 

@@ -145,9 +145,7 @@ class SparseMoE:
         routing = parallel.all_to_all(routing, send_counts, receive_counts)
         rows = parallel.all_to_all(hidden.index_select(0, tokens), send_counts, receive_counts)
         if rows.shape[0]:
-            rows = ops.fused_moe(
-                rows, self.w13, self.w2, routing[:, 1:], routing[:, :1].long()
-            )
+            rows = ops.fused_moe(rows, self.w13, self.w2, routing[:, 1:], routing[:, :1].long())
         back = parallel.all_to_all(rows, receive_counts, send_counts)
         return torch.zeros_like(hidden).index_add_(0, tokens, back)
 

@@ -3,11 +3,15 @@ exchange blocks: torch-free, so the gateway pairs prefill and decode nodes by th
 nodes check (inference/disagg/layout.py, which adds the checks that need an engine).
 
 A node may be a group of ranks (docs/parallelism.md), each caching its share of the KV heads in a
-buffer of its own. Blocks move rank to rank: a writer's rank fills the reader's ranks whose cache
-holds exactly its heads (`reader_ranks`). That maps two groups of the same size (the same model
-splits its heads the same way), and MLA's latent cache, which is whole on every rank, between
-groups of any sizes. Anything else (a rank would hold only part of another rank's heads, which
-are interleaved in every token's slot) is refused, naming both layouts.
+buffer of its own (`rank_kv_heads`: an even share, or with fewer heads than ranks one head
+replicated on several). Blocks move rank to rank (`head_routes`): each of the reader's heads is
+written by the first of the writer's ranks that holds it, into every reader rank that holds it.
+Between groups of the same size a rank fills the same rank with whole blocks; between groups of
+different sizes a writer rank holds only part of a reader rank's heads, or more than them, and
+since a block interleaves the heads in each token's slot, the write is one piece per token and
+layer. MLA's latent cache is whole on every rank and moves as whole blocks between any sizes.
+Layouts of different models, dtypes, block sizes, head counts or dimensions are refused, naming
+both.
 """
 
 from __future__ import annotations
@@ -30,6 +34,14 @@ class KVLayout:
     head_dim: int
     kinds: int = 2  # keys and values; 1 for MLA's latent cache
     tensor_parallel: int = 1
+    total_kv_heads: int = 0  # the model's KV heads; 0: an older node's, num_kv_heads × ranks
+
+    @property
+    def model_kv_heads(self) -> int:
+        """The KV heads of the whole model (MLA's one latent row)."""
+        if self.replicated:
+            return self.num_kv_heads
+        return self.total_kv_heads or self.num_kv_heads * self.tensor_parallel
 
     @property
     def element_bytes(self) -> int:
@@ -63,30 +75,76 @@ class KVLayout:
         )
 
     def mismatch(self, other: KVLayout) -> str | None:
-        """None when blocks can move between the two caches, else the fields that differ."""
+        """None when blocks can move between the two caches, else the fields that differ. How
+        the groups split the heads does not matter (`head_routes` maps them); the model's KV
+        heads do."""
+        split = ("tensor_parallel", "num_kv_heads", "total_kv_heads")
         differences = [
             f"{name} {mine!r} here, {theirs!r} there"
             for name, mine in asdict(self).items()
-            if name != "tensor_parallel"
+            if name not in split
             and (theirs := getattr(other, name)) != mine
             and not _same_dtype(name, mine, theirs)
         ]
-        if self.tensor_parallel != other.tensor_parallel and not (
-            self.replicated and other.replicated
-        ):
-            differences.append(
-                f"tensor_parallel {self.tensor_parallel} here, {other.tensor_parallel} there "
-                "(each rank caches its share of the KV heads: only groups of the same size, or "
-                "MLA's latent cache, map rank to rank)"
-            )
+        if self.model_kv_heads != other.model_kv_heads:
+            differences.append(f"KV heads {self.model_kv_heads} here, {other.model_kv_heads} there")
         return "; ".join(differences) or None
 
 
-def reader_ranks(writer: KVLayout, reader: KVLayout, rank: int) -> list[int]:
-    """The reader's ranks whose caches the writer's rank `rank` fills, for two layouts without a
-    `mismatch`: reader rank j is filled by writer rank j mod the writer's size (rank i by rank i
-    between groups of one size; with MLA, every reader rank by some writer rank)."""
-    return [j for j in range(reader.tensor_parallel) if j % writer.tensor_parallel == rank]
+def rank_kv_heads(total: int, world: int, rank: int) -> tuple[int, int]:
+    """The KV heads [start, stop) rank `rank` of `world` caches: an even share, or with fewer
+    heads than ranks the one head its query heads read (head rank * total // world)."""
+    if total >= world:
+        if total % world:
+            raise ValueError(f"{total} KV heads do not split across {world} ranks")
+        share = total // world
+        return rank * share, (rank + 1) * share
+    if world % total:
+        raise ValueError(f"{total} KV heads do not replicate evenly across {world} ranks")
+    head = rank * total // world
+    return head, head + 1
+
+
+@dataclass(frozen=True)
+class HeadRoute:
+    """Part of a writer rank's cache that goes to one reader rank: `heads` consecutive KV heads,
+    from the writer's head slot `src_head` to the reader's `dst_head` (slots within each token's
+    row of the rank's cache). `whole` when that is the whole row on both sides (whole blocks
+    move)."""
+
+    target: int
+    src_head: int
+    dst_head: int
+    heads: int
+    whole: bool
+
+
+def head_routes(writer: KVLayout, reader: KVLayout, rank: int) -> list[HeadRoute]:
+    """Where writer rank `rank` writes, for two layouts without a `mismatch`: each reader head is
+    written by the writer's lowest rank that holds it (a replicated head once), into every reader
+    rank that holds it."""
+    if writer.replicated:  # every rank's row is the whole latent: rank j from rank j mod size
+        heads = writer.num_kv_heads
+        return [
+            HeadRoute(j, 0, 0, heads, True)
+            for j in range(reader.tensor_parallel)
+            if j % writer.tensor_parallel == rank
+        ]
+    total = writer.model_kv_heads
+    holders = [
+        rank_kv_heads(total, writer.tensor_parallel, r) for r in range(writer.tensor_parallel)
+    ]
+    mine = holders[rank]
+    # The heads this rank writes: those no lower rank holds.
+    first = max([mine[0], *(stop for start, stop in holders[:rank] if start <= mine[0] < stop)])
+    routes = []
+    for target in range(reader.tensor_parallel):
+        start, stop = rank_kv_heads(total, reader.tensor_parallel, target)
+        low, high = max(first, start), min(mine[1], stop)
+        if low < high:
+            whole = (low, high) == mine == (start, stop)
+            routes.append(HeadRoute(target, low - mine[0], low - start, high - low, whole))
+    return routes
 
 
 def layouts_pair(writer: dict[str, Any] | None, reader: dict[str, Any] | None) -> bool:

@@ -146,10 +146,12 @@ def test_a_turn_sent_before_its_node_beat_counts_as_cached_there(redis_state):
         pytest.param(
             [
                 state_of(
-                    "prefill-1", PREFILL, layout={**LAYOUT, "num_kv_heads": 1, "tensor_parallel": 2}
+                    "prefill-1",
+                    PREFILL,
+                    layout={**LAYOUT, "tensor_parallel": 2, "total_kv_heads": 4},
                 )
             ],
-            id="a group of another size",
+            id="another model's KV heads",
         ),
     ],
 )
@@ -160,12 +162,22 @@ def test_without_a_fit_prefill_node_the_decode_node_prefills(redis_state, prefil
     assert route.queue == node_queue(MODEL, "decode-a")
 
 
-def test_a_latent_cache_pairs_groups_of_different_sizes(redis_state):
-    # MLA's latent cache is whole on every rank: a prefill group of two fills a one-rank node.
-    latent = {**LAYOUT, "kinds": 1, "num_kv_heads": 1, "head_dim": 40}
+@pytest.mark.parametrize(
+    "layout",
+    [
+        # Each rank of the group caches one of the two KV heads: placed head by head.
+        pytest.param(LAYOUT, id="KV heads"),
+        # MLA's latent cache is whole on every rank.
+        pytest.param({**LAYOUT, "kinds": 1, "num_kv_heads": 1, "head_dim": 40}, id="latent"),
+    ],
+)
+def test_groups_of_different_sizes_pair(redis_state, layout):
+    group = {**layout, "tensor_parallel": 2, "total_kv_heads": layout["num_kv_heads"]}
+    if layout.get("kinds", 2) == 2:
+        group["num_kv_heads"] = 1
     nodes = [
-        state_of("decode-a", layout=latent),
-        state_of("prefill-1", PREFILL, layout={**latent, "tensor_parallel": 2}),
+        state_of("decode-a", layout=layout),
+        state_of("prefill-1", PREFILL, layout=group),
     ]
     route = routed(nodes, LONG, redis_state)
     assert route.prefill_queue == prefill_node_queue(MODEL, "prefill-1")

@@ -1,9 +1,10 @@
 """Disaggregation between groups of ranks (docs/disaggregation.md, docs/parallelism.md): each rank
-registers its own cache and writes its own heads' blocks into the peer rank that holds the same
-heads. A Llama prefill group of two filling a decode group of two, and DeepSeek-V3's latent cache
-(whole on every rank) between a group of two and one rank, both ways, decode to the greedy tokens
-of one unified rank in float32; a Llama group of two and one rank refuse each other, naming both
-layouts and the field.
+registers its own cache and writes its own heads into the peer ranks that hold them. A Llama
+prefill group of two filling a decode group of two (whole blocks rank to rank), a group of two
+filling one rank and one rank filling a group of two (each token's heads placed in the other
+side's rows), and DeepSeek-V3's latent cache (whole on every rank) between a group of two and one
+rank, both ways, all decode to the greedy tokens of one unified rank in float32; layouts of
+another head count are refused, naming both layouts and the field.
 
 The tiny models are seeded (an fp32 all-reduce sums in another order than one rank, which could
 flip a near-tie greedy choice on some random weights). One torch.distributed group per process:
@@ -14,10 +15,17 @@ its group before the next starts.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
-from inference.disagg.layout import KVPeers, LayoutMismatchError, kv_layout_of, layouts_pair
+from inference.disagg.layout import (
+    KVPeers,
+    LayoutMismatchError,
+    head_routes,
+    kv_layout_of,
+    layouts_pair,
+)
 from inference.disagg.transfer import GroupTransfer
 from inference.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.disagg.split_engines import PrefillProcess, generate_split, generate_split_by
@@ -50,16 +58,16 @@ def unified(engine: LLMEngine, prompt: list[int], request_id: str) -> list[int]:
 
 @pytest.fixture(scope="class")
 def llama(tmp_path_factory):
-    """(one unified rank, a decode group of two and its transfer, a prefill group of two in its
-    own process)."""
+    """(one unified rank and its transfer, a decode group of two and its transfer, a prefill
+    group of two in its own process)."""
     directory = build_tiny_model(tmp_path_factory.mktemp("llama"), "llama", seed=0)
     one = LLMEngine(config(directory))
     decode = LLMEngine(config(directory, tensor_parallel=2))
     prefill = None
     try:
-        transfer = GroupTransfer(decode, kv_layout_of(decode, MODEL))
+        transfers = [GroupTransfer(e, kv_layout_of(e, MODEL)) for e in (one, decode)]
         prefill = PrefillProcess(config(directory, tensor_parallel=2), MODEL)
-        yield one, decode, transfer, prefill
+        yield (one, transfers[0]), (decode, transfers[1]), prefill
     finally:
         if prefill is not None:
             prefill.close()
@@ -68,10 +76,11 @@ def llama(tmp_path_factory):
 
 class TestLlamaGroups:
     def test_a_prefill_group_fills_a_decode_group_of_its_size_rank_by_rank(self, llama):
-        one, decode, transfer, prefill = llama
+        (one, _), (decode, transfer), prefill = llama
         assert [len(transfer.region.ranks), len(prefill.region.ranks)] == [2, 2]
         layout = transfer.region.layout
         assert (layout.tensor_parallel, layout.num_kv_heads) == (2, 1)  # 2 KV heads, 1 a rank
+        assert all(r.whole for r in head_routes(prefill.region.layout, layout, 0))
         for index, prompt in enumerate(prompts(1, [37, 9])):
             expected = unified(one, prompt, f"one-{index}")
             split = generate_split_by(
@@ -79,18 +88,43 @@ class TestLlamaGroups:
             )
             assert split == expected, index
 
-    def test_a_group_and_one_rank_refuse_each_other_naming_both_layouts(self, llama):
-        one, _, transfer, _ = llama
-        single = kv_layout_of(one, MODEL)
+    def test_a_group_of_two_fills_one_rank_head_by_head(self, llama):
+        """Rank 0 writes KV head 0 and rank 1 head 1 into each token's row of the one rank."""
+        (one, one_transfer), _, prefill = llama
+        layout = one_transfer.region.layout
+        assert layout.mismatch(prefill.region.layout) is None
+        assert layouts_pair(prefill.region.layout.as_dict(), layout.as_dict())
+        routes = [head_routes(prefill.region.layout, layout, rank) for rank in (0, 1)]
+        assert [[(r.target, r.src_head, r.dst_head, r.heads) for r in rs] for rs in routes] == [
+            [(0, 0, 0, 1)],
+            [(0, 0, 1, 1)],
+        ]
+        for index, prompt in enumerate(prompts(4, [29, 8])):  # the last block part-filled
+            expected = unified(one, prompt, f"one-many-{index}")
+            split = generate_split_by(
+                one, one_transfer.region, prefill, f"many-{index}", prompt, GREEDY
+            )
+            assert split == expected, index
+
+    def test_one_rank_fills_a_group_of_two_head_by_head(self, llama):
+        (one, one_transfer), (decode, transfer), _ = llama
+        transfers = (one_transfer, transfer)
+        for index, prompt in enumerate(prompts(5, [33, 7])):
+            expected = unified(one, prompt, f"one-few-{index}")
+            split = generate_split(decode, one, transfers, f"few-{index}", prompt, GREEDY)
+            assert split == expected, index
+
+    def test_another_head_count_is_refused_naming_both_layouts(self, llama):
+        (_, one_transfer), (_, transfer), _ = llama
+        theirs = replace(transfer.region.layout, total_kv_heads=4, num_kv_heads=2)
+        other = replace(transfer.region, layout=theirs)
         with pytest.raises(LayoutMismatchError) as refused:
-            KVPeers(single).check(transfer.region)
+            KVPeers(one_transfer.region.layout).check(other)
         message = str(refused.value)
-        assert "num_kv_heads 2 here, 1 there" in message
-        assert "tensor_parallel 1 here, 2 there" in message
-        assert f"here {single.describe()}; there {transfer.region.layout.describe()}" in message
-        assert "2 rank(s) × 2 kind(s) × 1 KV head(s)" in message
-        assert not layouts_pair(single.as_dict(), transfer.region.layout.as_dict())
-        assert not layouts_pair(transfer.region.layout.as_dict(), single.as_dict())
+        assert "KV heads 2 here, 4 there" in message
+        assert f"here {one_transfer.region.layout.describe()}; there {theirs.describe()}" in message
+        assert "2 rank(s) × 2 kind(s) × 2 KV head(s)" in message
+        assert not layouts_pair(one_transfer.region.layout.as_dict(), theirs.as_dict())
 
 
 @pytest.fixture(scope="class")
