@@ -22,11 +22,12 @@ import pytest
 from inference.disagg.layout import (
     KVPeers,
     LayoutMismatchError,
+    RankBuffer,
     head_routes,
     kv_layout_of,
     layouts_pair,
 )
-from inference.disagg.transfer import GroupTransfer
+from inference.disagg.transfer import GroupTransfer, TransferError
 from inference.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.disagg.split_engines import PrefillProcess, generate_split, generate_split_by
 from tests.inference.tiny_models import build_tiny_model
@@ -113,6 +114,21 @@ class TestLlamaGroups:
             expected = unified(one, prompt, f"one-few-{index}")
             split = generate_split(decode, one, transfers, f"few-{index}", prompt, GREEDY)
             assert split == expected, index
+
+    def test_a_rank_whose_write_fails_is_named_and_the_group_serves_on(self, llama):
+        """Rank 1's peer is unreachable: the write raises TransferError naming rank 1 (the
+        decode node then prefills itself), and the group still serves. The writes go from the
+        group's cache into itself, block 0 onto block 0, so nothing it holds changes."""
+        (one, _), (decode, transfer), _ = llama
+        unreachable = RankBuffer("127.0.0.1:1", transfer.region.ranks[1].base)
+        peer = replace(transfer.region, ranks=(transfer.region.ranks[0], unreachable))
+        with pytest.raises(TransferError, match=r"rank 1: .*127\.0\.0\.1:1") as failed:
+            transfer.write_blocks(peer, [0], [0])
+        assert "rank 0" not in str(failed.value)
+        [prompt] = prompts(6, [21])
+        expected = unified(one, prompt, "one-after-failure")
+        engine_tokens = unified(decode, prompt, "group-after-failure")
+        assert engine_tokens == expected
 
     def test_another_head_count_is_refused_naming_both_layouts(self, llama):
         (_, one_transfer), (_, transfer), _ = llama
