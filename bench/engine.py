@@ -57,6 +57,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench.concurrency import (  # noqa: E402
+    CURVE_SIZES,
+    busy_core,
+    curve_prompts,
+    engine_curve,
+    hf_curve,
+)
+from bench.hardware import ceiling_tok_s, measure_limits  # noqa: E402
 from inference.engine import LLM, SamplingParams  # noqa: E402
 from inference.engine.tokenizer import Tokenizer  # noqa: E402
 from inference.models.loader import default_model_gguf, resolve_model_directory  # noqa: E402
@@ -281,6 +289,7 @@ class BenchConfig:
     engine_sequential_prompts: int = 8
     hf_sequential_prompts: int = 4
     llamacpp_sequential_prompts: int = 8
+    curve: tuple[int, ...] = CURVE_SIZES
 
 
 FULL = BenchConfig()
@@ -290,6 +299,7 @@ QUICK = BenchConfig(
     engine_sequential_prompts=2,
     hf_sequential_prompts=1,
     llamacpp_sequential_prompts=2,
+    curve=(1, 4, 8),
 )
 
 
@@ -343,13 +353,6 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 
 
 # ---- prompts --------------------------------------------------------------------------------
-def chat_prompts(tokenizer: Tokenizer, count: int) -> list[list[int]]:
-    """The first `count` questions as single-turn chats, rendered with the chat template."""
-    return [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS[:count]
-    ]
-
-
 def long_prompt(tokenizer: Tokenizer, kind: str) -> list[int]:
     """The ~2,300-token system prompt followed by the user turn named by `kind`."""
     messages = [
@@ -369,13 +372,22 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
+def engine_outputs(
+    llm: LLM, prompts: list[list[int]], new_tokens: int, namespace: str
+) -> tuple[list[Any], float]:
+    """Submit all prompts at once; the finished requests (with their timings) and the wall
+    time."""
+    outs, seconds = timed(lambda: llm.generate(prompts, greedy(new_tokens), namespace=namespace))
+    check_lengths("engine", [o.token_ids for o in outs], new_tokens)
+    return outs, seconds
+
+
 def engine_generate(
     llm: LLM, prompts: list[list[int]], new_tokens: int, namespace: str
 ) -> tuple[Throughput, list[list[int]]]:
     """Submit all prompts at once; return throughput and the generated token ids."""
-    outs, seconds = timed(lambda: llm.generate(prompts, greedy(new_tokens), namespace=namespace))
+    outs, seconds = engine_outputs(llm, prompts, new_tokens, namespace)
     tokens = [o.token_ids for o in outs]
-    check_lengths("engine", tokens, new_tokens)
     return Throughput(sum(len(t) for t in tokens), seconds), tokens
 
 
@@ -413,7 +425,10 @@ def engine_ttft(llm: LLM, prompt: list[int], request_id: str, namespace: str) ->
 
 
 def run_engine(
-    config: BenchConfig, prompts: list[list[int]], long_prompts: dict[str, list[int]]
+    config: BenchConfig,
+    prompts: list[list[int]],
+    long_prompts: dict[str, list[int]],
+    curve: tuple[int, ...],
 ) -> tuple[dict[str, Any], list[list[int]]]:
     """Every engine measurement; returns metrics and the sequential run's outputs."""
     llm, load_s = timed(lambda: LLM(MODEL))
@@ -423,7 +438,9 @@ def run_engine(
     engine_generate(llm, prompts[:2], 4, namespace="warmup")
 
     # A namespace per run, so no run hits blocks cached by an earlier one.
-    batch, _ = engine_generate(llm, prompts, config.new_tokens, namespace="c32-run")
+    batch, _ = engine_generate(
+        llm, prompts[: config.num_prompts], config.new_tokens, namespace="c32-run"
+    )
     log(f"engine c{len(prompts)}: {batch.tokens} tokens in {batch.seconds:.2f}s")
     seq_prompts = prompts[: config.engine_sequential_prompts]
     seq, seq_tokens = engine_sequential(llm, seq_prompts, config.new_tokens, "c1-run")
@@ -436,12 +453,23 @@ def run_engine(
     warm = engine_ttft(llm, long_prompts["warm"], "ttft-warm", namespace="ttft")
     log(f"engine ttft: cold {cold.wall_s:.3f}s, warm {warm.wall_s:.4f}s")
 
+    points = engine_curve(llm, prompts, config.new_tokens, engine_outputs, curve)
+    for point in points:
+        log(f"engine curve c{point['concurrency']}: {point['tok_s']:.1f} tok/s")
+    with busy_core():
+        busy, _ = engine_generate(
+            llm, prompts[: config.num_prompts], config.new_tokens, namespace="c32-busy"
+        )
+    log(f"engine c{config.num_prompts}, one core busy: {busy.tok_s:.1f} tok/s")
+
     metrics = {
         "engine_c32_tok_s": batch.tok_s,
         "engine_c1_tok_s": seq.tok_s,
         "cold_ttft_s": cold.wall_s,
         "warm_ttft_s": warm.wall_s,
         "warm_cached_tokens": warm.cached_tokens,
+        "engine_c32_busy_tok_s": busy.tok_s,
+        "curve": points,
         "details": {
             "engine_load_s": load_s,
             "engine_c32": asdict(batch),
@@ -522,6 +550,7 @@ def run_hf(
     prompts: list[list[int]],
     long_prompt_ids: list[int],
     engine_outputs: list[list[int]],
+    hf_max: int,
 ) -> dict[str, Any]:
     """HF float32 baselines; `engine_outputs` (the engine's sequential run) are compared with
     HF's greedy outputs for the same prompts as a sanity check of the engine's numerics."""
@@ -529,8 +558,13 @@ def run_hf(
     log(f"HF float32 loaded in {load_s:.1f}s")
 
     hf_generate(model, tokenizer, prompts[:1], 4)  # warm-up, as for the engine
-    batched, _ = hf_generate(model, tokenizer, prompts, config.new_tokens)
+    batch = prompts[: config.num_prompts]
+    batched, _ = hf_generate(model, tokenizer, batch, config.new_tokens)
     log(f"HF batched: {batched.tokens} tokens in {batched.seconds:.2f}s")
+    with busy_core():
+        busy, _ = hf_generate(model, tokenizer, batch, config.new_tokens)
+    log(f"HF batched, one core busy: {busy.tok_s:.1f} tok/s")
+    points = hf_curve(model, tokenizer, prompts, config.new_tokens, hf_generate, hf_max)
     runs = [
         hf_generate(model, tokenizer, [p], config.new_tokens)
         for p in prompts[: config.hf_sequential_prompts]
@@ -546,6 +580,8 @@ def run_hf(
         "hf_batched_tok_s": batched.tok_s,
         "hf_sequential_tok_s": sequential.tok_s,
         "hf_prefill_s": prefill_s,
+        "hf_batched_busy_tok_s": busy.tok_s,
+        "hf_curve": points,
         "details": {
             "hf_load_s": load_s,
             "hf_batched": asdict(batched),
@@ -560,26 +596,41 @@ def run_hf(
 
 
 # ---- llama.cpp ------------------------------------------------------------------------------
-def run_llamacpp(config: BenchConfig, prompts: list[list[int]], threads: int) -> dict[str, Any]:
+def run_llamacpp(
+    config: BenchConfig, prompts: list[list[int]], long_prompts: dict[str, list[int]], threads: int
+) -> dict[str, Any]:
     """llama.cpp in a child process: a crash in its native code (seen: a segfault) costs this
     baseline only, not the whole run; its memory also stays out of our peak RSS."""
+    absent = {"llamacpp_sequential_tok_s": None, "llamacpp_warm_ttft_s": None}
     if importlib.util.find_spec("llama_cpp") is None:
-        log("llama_cpp is not installed; skipping llama.cpp")
-        return {"llamacpp_sequential_tok_s": None}
+        log("llama_cpp is not installed (pip install -e '.[bench]'); skipping llama.cpp")
+        return absent
     prompts = prompts[: config.llamacpp_sequential_prompts]
     spawn = multiprocessing.get_context("spawn")  # a clean process, no forked torch threads
     with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
         try:
-            result = pool.submit(llamacpp_sequential, prompts, config.new_tokens, threads).result()
+            run = pool.submit(llamacpp_run, prompts, long_prompts, config.new_tokens, threads)
+            result = run.result()
         except BrokenProcessPool:
-            log("llama.cpp crashed; llamacpp_sequential_tok_s is null")
-            return {"llamacpp_sequential_tok_s": None, "details": {"llamacpp": "crashed"}}
-    log(f"llama.cpp sequential: {result.tokens} tokens in {result.seconds:.2f}s")
-    return {"llamacpp_sequential_tok_s": result.tok_s, "details": {"llamacpp": asdict(result)}}
+            log("llama.cpp crashed; its figures are null")
+            return {**absent, "details": {"llamacpp": "crashed"}}
+    sequential = result["sequential"]
+    log(f"llama.cpp sequential: {sequential.tokens} tokens in {sequential.seconds:.2f}s")
+    log(f"llama.cpp ttft: cold {result['cold_ttft_s']:.3f}s, warm {result['warm_ttft_s']:.4f}s")
+    return {
+        "llamacpp_sequential_tok_s": sequential.tok_s,
+        "llamacpp_cold_ttft_s": result["cold_ttft_s"],
+        "llamacpp_warm_ttft_s": result["warm_ttft_s"],
+        "details": {"llamacpp": asdict(sequential)},
+    }
 
 
-def llamacpp_sequential(prompts: list[list[int]], new_tokens: int, threads: int) -> Throughput:
-    """Greedy, `new_tokens` per prompt, one prompt at a time (runs in the child process)."""
+def llamacpp_run(
+    prompts: list[list[int]], long_prompts: dict[str, list[int]], new_tokens: int, threads: int
+) -> dict[str, Any]:
+    """In the child process: greedy, `new_tokens` per prompt, one prompt at a time; then the
+    time to the first token of the cold long prompt and of the warm one, which shares its
+    system prompt (llama.cpp keeps the previous prompt's KV and reuses its common prefix)."""
     import llama_cpp
     from llama_cpp import llama_cpp as bindings
 
@@ -595,7 +646,15 @@ def llamacpp_sequential(prompts: list[list[int]], new_tokens: int, threads: int)
         check_lengths("llama.cpp", [tokens], new_tokens)
         total_tokens += len(tokens)
         total_s += seconds
-    return Throughput(total_tokens, total_s)
+    ttft = {}
+    for kind in ("cold", "warm"):
+        stream = llamacpp_stream(llm, long_prompts[kind])
+        _, ttft[kind] = timed(lambda s=stream: take_tokens(s, 1))
+    return {
+        "sequential": Throughput(total_tokens, total_s),
+        "cold_ttft_s": ttft["cold"],
+        "warm_ttft_s": ttft["warm"],
+    }
 
 
 def disable_extra_buffer_types(bindings: Any) -> None:
@@ -643,6 +702,10 @@ class Target:
 
 
 TARGETS = (
+    Target("c32_vs_ceiling", "engine_c32_tok_s", "ceiling_c32_tok_s", 0.5, True),
+    Target("warm_ttft_vs_llamacpp", "warm_ttft_s", "llamacpp_warm_ttft_s", 1.0, False),
+    Target("busy_vs_idle_c32", "engine_c32_busy_tok_s", "engine_c32_tok_s", 0.5, True),
+    Target("busy_vs_hf_busy_c32", "engine_c32_busy_tok_s", "hf_batched_busy_tok_s", 2.0, True),
     Target("c32_vs_hf_batched", "engine_c32_tok_s", "hf_batched_tok_s", 8.0, True),
     Target("c1_vs_hf_sequential", "engine_c1_tok_s", "hf_sequential_tok_s", 5.0, True),
     Target("c1_vs_llamacpp", "engine_c1_tok_s", "llamacpp_sequential_tok_s", 1.0, True),
@@ -707,12 +770,89 @@ def write_json(result: dict[str, Any], path: Path) -> None:
     tmp.replace(path)
 
 
+def decode_weights(directory: Path) -> tuple[int, int]:
+    """(parameters, bf16 bytes) a decode step reads: every projection of every layer, the
+    norms, and the LM head (the embedding too when it is not tied; a lookup reads a row)."""
+    from inference.models.model_config import ModelConfig, read_hf_config
+
+    config = ModelConfig.from_hf(read_hf_config(directory))
+    hidden, dim = config.hidden_size, config.head_dim
+    attention = hidden * dim * (2 * config.num_heads + 2 * config.num_kv_heads)
+    layer = attention + 3 * hidden * config.intermediate_size + 2 * hidden
+    parameters = config.num_layers * layer + hidden + config.vocab_size * hidden
+    return parameters, 2 * parameters
+
+
+def curve_table(
+    engine: list[dict[str, Any]], hf: list[dict[str, Any]] | None, ceilings: dict[int, float]
+) -> list[dict[str, Any]]:
+    """Each size's engine figures beside HF's and the ceiling."""
+    hf_by_size = {point["concurrency"]: point for point in hf or []}
+    rows = []
+    for point in engine:
+        size = point["concurrency"]
+        hf_point = hf_by_size.get(size, {})
+        rows.append(
+            {
+                **point,
+                "ceiling_tok_s": ceilings[size],
+                "fraction_of_ceiling": point["tok_s"] / ceilings[size],
+                "hf_tok_s": hf_point.get("tok_s"),
+                "hf_tpot_s": hf_point.get("tpot_s"),
+            }
+        )
+    return rows
+
+
+def print_limits(metrics: dict[str, Any], ceilings: dict[int, float]) -> None:
+    machine = metrics["machine"]
+    print(
+        f"\nmachine, measured in this run: one-row bf16 matmul reads weights at "
+        f"{machine['weight_read_gb_s']:.1f} GB/s (a plain read {machine['read_gb_s']:.1f} GB/s); "
+        f"matmul {machine['bf16_gflops']:.0f} GFLOP/s bf16, {machine['fp32_gflops']:.0f} fp32; "
+        f"a decode step reads {metrics['decode_weight_mb']:.0f} MB of bf16 weights"
+    )
+    print(
+        "ceiling (tokens/s): "
+        + ", ".join(f"c{size} {value:.0f}" for size, value in sorted(ceilings.items()))
+    )
+
+
+def print_curve(curve: list[dict[str, Any]]) -> None:
+    header = ("concurrency", "tok/s", "ceiling", "of ceiling", "TPOT p50", "TPOT p99", "HF tok/s")
+    rows = [header]
+    for point in curve:
+        rows.append(
+            (
+                str(point["concurrency"]),
+                fmt(point["tok_s"]),
+                fmt(point["ceiling_tok_s"]),
+                f"{point['fraction_of_ceiling']:.1%}",
+                f"{point['tpot_p50_s'] * 1000:.1f} ms",
+                f"{point['tpot_p99_s'] * 1000:.1f} ms",
+                fmt(point["hf_tok_s"]),
+            )
+        )
+    print()
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for index, row in enumerate(rows):
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+        if index == 0:
+            print("  ".join("-" * width for width in widths))
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: 8 prompts, 16 tokens")
     parser.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face baselines")
     parser.add_argument("--skip-llamacpp", action="store_true", help="skip llama.cpp")
     parser.add_argument("--output", type=Path, help="JSON path (default: bench/results/...)")
+    parser.add_argument(
+        "--hf-curve-max",
+        type=int,
+        default=max(CURVE_SIZES),
+        help="the largest batch HF runs on the concurrency curve",
+    )
     return parser.parse_args()
 
 
@@ -729,13 +869,16 @@ def main() -> None:
         # average lags: it also counts work that ended in the last minute.)
         log(f"warning: 1-minute load average is {load_start:.2f}; results will be noisy")
 
+    limits = measure_limits()
+    log(f"machine: {limits}")
     tokenizer = Tokenizer(resolve_model_directory(MODEL))
-    prompts = chat_prompts(tokenizer, config.num_prompts)
+    curve = config.curve
+    prompts = curve_prompts(tokenizer, QUESTIONS, max(config.num_prompts, *curve))
     long_prompts = {kind: long_prompt(tokenizer, kind) for kind in LONG_PROMPT_QUESTIONS}
 
     # Engine first, freed (it goes out of scope in run_engine) before HF loads, so the
     # phases' memory peaks do not stack.
-    engine_metrics, engine_outputs = run_engine(config, prompts, long_prompts)
+    engine_metrics, engine_outputs = run_engine(config, prompts, long_prompts, curve)
     gc.collect()
     release_freed_memory()
     int4_metrics = run_engine_int4(config, prompts)
@@ -745,9 +888,14 @@ def main() -> None:
     engine_metrics["details"]["peak_rss_after_engine_mb"] = peak_rss_mb()
     engine_metrics["details"]["rss_after_engine_freed_mb"] = current_rss_mb()
     hf_metrics = (
-        {} if args.skip_hf else run_hf(config, prompts, long_prompts["cold"], engine_outputs)
+        {}
+        if args.skip_hf
+        else run_hf(config, prompts, long_prompts["cold"], engine_outputs, args.hf_curve_max)
     )
-    llamacpp_metrics = {} if args.skip_llamacpp else run_llamacpp(config, prompts, threads)
+    llamacpp_metrics = (
+        {} if args.skip_llamacpp else run_llamacpp(config, prompts, long_prompts, threads)
+    )
+    parameters, weight_bytes = decode_weights(resolve_model_directory(MODEL))
 
     metrics: dict[str, Any] = {
         "engine_c32_tok_s": engine_metrics["engine_c32_tok_s"],
@@ -760,7 +908,22 @@ def main() -> None:
         "warm_ttft_s": engine_metrics["warm_ttft_s"],
         "hf_prefill_s": hf_metrics.get("hf_prefill_s"),
         "warm_cached_tokens": engine_metrics["warm_cached_tokens"],
+        "llamacpp_warm_ttft_s": llamacpp_metrics.get("llamacpp_warm_ttft_s"),
+        "llamacpp_cold_ttft_s": llamacpp_metrics.get("llamacpp_cold_ttft_s"),
+        "engine_c32_busy_tok_s": engine_metrics["engine_c32_busy_tok_s"],
+        "hf_batched_busy_tok_s": hf_metrics.get("hf_batched_busy_tok_s"),
+        "machine": limits.as_dict(),
+        "decode_weight_mb": weight_bytes / 1e6,
     }
+    ceilings = {
+        size: ceiling_tok_s(
+            size, weight_bytes, parameters, limits.weight_read_gb_s, limits.bf16_gflops
+        )
+        for size in sorted({1, config.num_prompts, *curve})
+    }
+    metrics["ceiling_c1_tok_s"] = ceilings[1]
+    metrics["ceiling_c32_tok_s"] = ceilings[config.num_prompts]
+    metrics["curve"] = curve_table(engine_metrics["curve"], hf_metrics.get("hf_curve"), ceilings)
     metrics["peak_rss_mb"] = peak_rss_mb()
     metrics["targets_met"] = {t.key: evaluate(t, metrics)[1] for t in TARGETS}
     metrics["details"] = {
@@ -781,6 +944,8 @@ def main() -> None:
     }
 
     print_table(metrics)
+    print_limits(metrics, ceilings)
+    print_curve(metrics["curve"])
     name = "engine-quick.json" if args.quick else "engine.json"
     write_json(metrics, args.output or RESULTS_DIR / name)
     print(json.dumps(metrics))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,6 +62,9 @@ class EngineConfig:
     distributed_backend: str | None = None
     distributed_timeout_s: float = 300.0
     data_parallel_attention: bool = False
+    # Threads for torch's ops on the CPU: None adapts them to the cores other processes leave
+    # free (inference/engine/cpu_threads.py); a number fixes them.
+    cpu_threads: int | None = field(default_factory=lambda: _env_threads())
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -94,6 +98,8 @@ class EngineConfig:
             )
         if self.distributed_backend == "nccl" and not self.device.startswith("cuda"):
             raise ValueError("distributed_backend='nccl' needs a CUDA device")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
         if self.data_parallel_attention and self.tensor_parallel == 1:
             raise ValueError("data_parallel_attention needs a group: set tensor_parallel > 1")
         if self.distributed_timeout_s <= 0:
@@ -122,3 +128,9 @@ class EngineConfig:
     def rank_device(self, rank: int) -> str:
         """The device rank `rank` of a group runs on: its own GPU on CUDA (`cuda:rank`)."""
         return f"cuda:{rank}" if self.device.startswith("cuda") else self.device
+
+
+def _env_threads() -> int | None:
+    """HEARTH_CPU_THREADS fixes the CPU thread count (unset or empty: adapt)."""
+    value = os.environ.get("HEARTH_CPU_THREADS", "").strip()
+    return int(value) if value else None

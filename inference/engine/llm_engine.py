@@ -11,6 +11,7 @@ from inference.distributed.group import RankGroup
 from inference.engine.block_manager import BlockManager
 from inference.engine.block_partitions import PartitionedBlockManager
 from inference.engine.config import EngineConfig
+from inference.engine.cpu_threads import CoreShare
 from inference.engine.detokenizer import IncrementalDetokenizer
 from inference.engine.kv_cache import num_blocks_for_budget
 from inference.engine.model_runner import ModelRunner
@@ -93,6 +94,15 @@ class LLMEngine:
             kv_hold_grace_s=self.config.kv_hold_grace_s,
             kv_remote_attempts=self.config.kv_remote_attempts,
         )
+        # On the CPU, one process alone: as many threads as the other processes leave cores
+        # free (cpu_threads.py), or the number the config fixes. A group divides the cores
+        # between its ranks itself.
+        self.core_share: CoreShare | None = None
+        if self.config.device == "cpu" and not parallel.distributed:
+            if self.config.cpu_threads is None:
+                self.core_share = CoreShare()
+            else:
+                torch.set_num_threads(self.config.cpu_threads)
         self.group: RankGroup | None = None
         if parallel.distributed:
             self.group = RankGroup(
@@ -361,6 +371,8 @@ class LLMEngine:
         self.last_step_tokens = plan.num_batched_tokens
         if not plan.scheduled:
             return outputs
+        if self.core_share is not None:
+            self.core_share.update()
         sampling, token_ids, logprobs = self.runner.run(plan.scheduled, self._grammars)
         now = time.time()
         for item in plan.scheduled:
