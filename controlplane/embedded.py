@@ -51,7 +51,7 @@ class EmbeddedHearth:
         self,
         host: str,
         port: int,
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         kv_cache_mb: int = 256,
         disaggregated: bool = False,
     ):

@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     chat = commands.add_parser("chat", help="answer one chat message")
     chat.add_argument("message")
     chat.add_argument("--model", default=DEFAULT_MODEL)
-    chat.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    chat.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     chat.add_argument("--max-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--seed", type=int, default=None)
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     print(result.text)
     timings = result.timings
     print(
-        f"[{args.model}, {args.dtype}: loaded in {loaded - started:.1f}s, "
+        f"[{args.model}, {llm.engine.config.dtype}: loaded in {loaded - started:.1f}s, "
         f"{result.prompt_tokens} prompt + {result.completion_tokens} completion tokens, "
         f"first token {timings.ttft_s:.3f}s, finish_reason={result.finish_reason}]",
         file=sys.stderr,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inference.distributed.parallel import Parallel
+from inference.engine.cpu_dtype import preferred_dtype
 
 _DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -40,7 +41,8 @@ class EngineConfig:
     """
 
     model: str = "SmolLM2-135M-Instruct"
-    dtype: str = "bfloat16"
+    # "auto": bfloat16 where the CPU multiplies bf16 natively, else float32 (cpu_dtype.py).
+    dtype: str = "auto"
     block_size: int = 16
     kv_cache_memory_bytes: int = 512 * 1024 * 1024
     num_kv_blocks: int | None = None
@@ -67,6 +69,9 @@ class EngineConfig:
     cpu_threads: int | None = field(default_factory=lambda: _env_threads())
 
     def __post_init__(self) -> None:
+        if self.dtype == "auto":
+            # int4 weights are packed from bf16: they keep it wherever they are asked for.
+            self.dtype = "bfloat16" if self.quantization == "int4" else preferred_dtype()
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.block_size not in (8, 16, 32, 64):

@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # channels_redis checks capacity on the sender's side, per receiving process: every stream
     # a gateway relays shares one Redis key, so the default 100 drops deltas under load.
     parser.add_argument("--channel-capacity", type=int, default=10_000)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--kv-cache-mb", type=int, default=512)
     parser.add_argument(

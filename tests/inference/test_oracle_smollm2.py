@@ -66,7 +66,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
 
 
 def test_default_model_answers_the_capital_of_france():
-    llm = LLM("SmolLM2-135M-Instruct")  # bfloat16, the CPU default
+    llm = LLM("SmolLM2-135M-Instruct")  # the default dtype: "auto" (cpu_dtype.py)
     [result] = llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY)
     assert result.text == "The capital of France is Paris."
     assert result.finish_reason == "stop"

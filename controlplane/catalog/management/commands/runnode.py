@@ -29,7 +29,7 @@ class Command(BaseCommand):
         parser.add_argument("--model", required=True)
         parser.add_argument("--node-id")
         parser.add_argument("--role", default=UNIFIED, choices=NODE_ROLES)
-        parser.add_argument("--dtype", default="bfloat16")
+        parser.add_argument("--dtype", default="auto")
         parser.add_argument("--max-num-seqs", type=int, default=64)
         parser.add_argument("--kv-cache-mb", type=int, default=512)
         parser.add_argument("--kv-host", default="127.0.0.1")

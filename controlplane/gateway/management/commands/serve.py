@@ -17,7 +17,7 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=8000)
-        parser.add_argument("--dtype", default="bfloat16")
+        parser.add_argument("--dtype", default="auto")
         parser.add_argument("--kv-cache-mb", type=int, default=256)
         parser.add_argument(
             "--disaggregated",
