@@ -433,6 +433,8 @@ def run_engine(
     """Every engine measurement; returns metrics and the sequential run's outputs."""
     llm, load_s = timed(lambda: LLM(MODEL))
     log(f"engine loaded in {load_s:.1f}s (dtype={llm.engine.config.dtype})")
+    dtype = {"bf16": "bfloat16", "fp32": "float32"}.get(llm.engine.config.dtype)
+    dtype = dtype or llm.engine.config.dtype
 
     # Warm-up: first-call costs (allocator, kernel selection) are not what we measure.
     engine_generate(llm, prompts[:2], 4, namespace="warmup")
@@ -441,7 +443,7 @@ def run_engine(
     batch, _ = engine_generate(
         llm, prompts[: config.num_prompts], config.new_tokens, namespace="c32-run"
     )
-    log(f"engine c{len(prompts)}: {batch.tokens} tokens in {batch.seconds:.2f}s")
+    log(f"engine c{config.num_prompts}: {batch.tokens} tokens in {batch.seconds:.2f}s")
     seq_prompts = prompts[: config.engine_sequential_prompts]
     seq, seq_tokens = engine_sequential(llm, seq_prompts, config.new_tokens, "c1-run")
     log(f"engine c1: {seq.tokens} tokens in {seq.seconds:.2f}s")
@@ -471,6 +473,7 @@ def run_engine(
         "engine_c32_busy_tok_s": busy.tok_s,
         "curve": points,
         "details": {
+            "engine_dtype": dtype,
             "engine_load_s": load_s,
             "engine_c32": asdict(batch),
             "engine_c1": asdict(seq),
@@ -770,17 +773,19 @@ def write_json(result: dict[str, Any], path: Path) -> None:
     tmp.replace(path)
 
 
-def decode_weights(directory: Path) -> tuple[int, int]:
-    """(parameters, bf16 bytes) a decode step reads: every projection of every layer, the
-    norms, and the LM head (the embedding too when it is not tied; a lookup reads a row)."""
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+
+
+def decode_parameters(directory: Path) -> int:
+    """The parameters a decode step reads: every projection of every layer, the norms, and the
+    LM head (the embedding too when it is not tied; a lookup reads a row)."""
     from inference.models.model_config import ModelConfig, read_hf_config
 
     config = ModelConfig.from_hf(read_hf_config(directory))
     hidden, dim = config.hidden_size, config.head_dim
     attention = hidden * dim * (2 * config.num_heads + 2 * config.num_kv_heads)
     layer = attention + 3 * hidden * config.intermediate_size + 2 * hidden
-    parameters = config.num_layers * layer + hidden + config.vocab_size * hidden
-    return parameters, 2 * parameters
+    return config.num_layers * layer + hidden + config.vocab_size * hidden
 
 
 def curve_table(
@@ -806,11 +811,13 @@ def curve_table(
 
 def print_limits(metrics: dict[str, Any], ceilings: dict[int, float]) -> None:
     machine = metrics["machine"]
+    gemv = ", ".join(f"{name} {rate:.1f}" for name, rate in machine["gemv_gb_s"].items())
+    gflops = ", ".join(f"{name} {rate:.1f}" for name, rate in machine["gflops"].items())
     print(
-        f"\nmachine, measured in this run: one-row bf16 matmul reads weights at "
-        f"{machine['weight_read_gb_s']:.1f} GB/s (a plain read {machine['read_gb_s']:.1f} GB/s); "
-        f"matmul {machine['bf16_gflops']:.0f} GFLOP/s bf16, {machine['fp32_gflops']:.0f} fp32; "
-        f"a decode step reads {metrics['decode_weight_mb']:.0f} MB of bf16 weights"
+        f"\nmachine, measured in this run: a one-row matmul reads weights at {gemv} GB/s (a "
+        f"plain float32 read {machine['read_gb_s']:.1f} GB/s); matmul {gflops} GFLOP/s; the "
+        f"engine ran in {metrics['engine_dtype']}: a decode step reads "
+        f"{metrics['decode_weight_mb']:.0f} MB of weights"
     )
     print(
         "ceiling (tokens/s): "
@@ -895,7 +902,9 @@ def main() -> None:
     llamacpp_metrics = (
         {} if args.skip_llamacpp else run_llamacpp(config, prompts, long_prompts, threads)
     )
-    parameters, weight_bytes = decode_weights(resolve_model_directory(MODEL))
+    parameters = decode_parameters(resolve_model_directory(MODEL))
+    dtype = engine_metrics["details"]["engine_dtype"]
+    weight_bytes = parameters * DTYPE_BYTES[dtype]
 
     metrics: dict[str, Any] = {
         "engine_c32_tok_s": engine_metrics["engine_c32_tok_s"],
@@ -913,11 +922,12 @@ def main() -> None:
         "engine_c32_busy_tok_s": engine_metrics["engine_c32_busy_tok_s"],
         "hf_batched_busy_tok_s": hf_metrics.get("hf_batched_busy_tok_s"),
         "machine": limits.as_dict(),
+        "engine_dtype": dtype,
         "decode_weight_mb": weight_bytes / 1e6,
     }
     ceilings = {
         size: ceiling_tok_s(
-            size, weight_bytes, parameters, limits.weight_read_gb_s, limits.bf16_gflops
+            size, weight_bytes, parameters, limits.gemv_gb_s[dtype], limits.gflops[dtype]
         )
         for size in sorted({1, config.num_prompts, *curve})
     }

@@ -1,18 +1,18 @@
 """What this machine can do, measured in the benchmark's own run: the limits its figures are
 read against (the gpt-fast way: a decode step cannot be faster than reading the weights once).
 
-- `weight_read_gb_s`: the rate at which a one-row bf16 matmul (`x @ W.T`, what a decode step of
-  one sequence does with every projection) streams a weight matrix too large for the caches;
-  the best of a few repetitions, with torch's threads as the engine runs them.
-- `read_gb_s`: a plain read of the same bytes (a sum), for comparison: the memory system's rate
-  without the matmul's arithmetic.
-- `bf16_gflops` / `fp32_gflops`: a square matmul's rate in each dtype (what prefill and large
-  batches are bound by).
+For each dtype the engine may run in (bfloat16, float32):
+- `gemv_gb_s`: the rate at which a one-row matmul (`x @ W.T`, what a decode step of one sequence
+  does with every projection) streams a weight matrix too large for the caches, in GB/s of
+  weights; the best of a few repetitions, with torch's threads as the engine runs them;
+- `gflops`: a 256 x 2048 x 2048 matmul's rate (what prefill and large batches are bound by).
+And `read_gb_s`: a plain float32 sum over the same bytes, the memory system's rate without a
+matmul's arithmetic.
 
 `ceiling_tok_s(concurrency, ...)` turns them into the most tokens per second a decode step of
-that many sequences can give: each step reads the weights once (bandwidth) and does two
-floating-point operations per parameter and sequence (compute); the slower of the two bounds it.
-Attention's reads of the KV cache and everything else the step does only lower it further.
+that many sequences can give in one dtype: each step reads the weights once (bandwidth) and does
+two floating-point operations per parameter and sequence (compute); the slower of the two bounds
+it. Attention's reads of the KV cache and everything else the step does only lower it further.
 """
 
 from __future__ import annotations
@@ -23,16 +23,16 @@ from dataclasses import asdict, dataclass
 import torch
 
 WEIGHT_BYTES = 512 * 2**20  # larger than any cache of a CPU this runs on
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
 class Limits:
-    weight_read_gb_s: float
+    gemv_gb_s: dict[str, float]  # by dtype name
+    gflops: dict[str, float]
     read_gb_s: float
-    bf16_gflops: float
-    fp32_gflops: float
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -47,33 +47,26 @@ def best_seconds(fn, repeats: int) -> float:
     return best
 
 
-def measure_limits(repeats: int = 5) -> Limits:
-    weight_read, read = _read_rates(repeats)
-    gflops = {}
-    with torch.inference_mode():
-        for dtype in (torch.bfloat16, torch.float32):
-            a = torch.randn(1024, 2048).to(dtype)
-            b = torch.randn(2048, 2048).to(dtype)
-            seconds = best_seconds(lambda a=a, b=b: a @ b, repeats)
-            gflops[dtype] = 2 * 1024 * 2048 * 2048 / seconds / 1e9
-    return Limits(
-        weight_read_gb_s=weight_read,
-        read_gb_s=read,
-        bf16_gflops=gflops[torch.bfloat16],
-        fp32_gflops=gflops[torch.float32],
-    )
-
-
-def _read_rates(repeats: int) -> tuple[float, float]:
-    """GB/s of a one-row bf16 matmul over WEIGHT_BYTES of weights, and of a plain sum."""
+def measure_limits(repeats: int = 3) -> Limits:
+    gemv, gflops, read_gb_s = {}, {}, 0.0
     columns = 4096
-    weight = torch.randn(WEIGHT_BYTES // (2 * columns), columns).to(torch.bfloat16)
-    vector = torch.randn(1, columns).to(torch.bfloat16)
-    nbytes = weight.numel() * 2
     with torch.inference_mode():
-        gemv = best_seconds(lambda: torch.nn.functional.linear(vector, weight), repeats)
-        read = best_seconds(lambda: weight.sum(dtype=torch.float32), repeats)
-    return nbytes / gemv / 1e9, nbytes / read / 1e9
+        for name, dtype in DTYPES.items():
+            size = dtype.itemsize
+            weight = torch.randn(WEIGHT_BYTES // (size * columns), columns).to(dtype)
+            vector = torch.randn(1, columns).to(dtype)
+            seconds = best_seconds(
+                lambda w=weight, v=vector: torch.nn.functional.linear(v, w), repeats
+            )
+            gemv[name] = weight.numel() * size / seconds / 1e9
+            if dtype is torch.float32:
+                read_gb_s = weight.numel() * size / best_seconds(weight.sum, repeats) / 1e9
+            del weight
+            a = torch.randn(256, 2048).to(dtype)
+            b = torch.randn(2048, 2048).to(dtype)
+            seconds = best_seconds(lambda a=a, b=b: a @ b, 1)
+            gflops[name] = 2 * 256 * 2048 * 2048 / seconds / 1e9
+    return Limits(gemv, gflops, read_gb_s)
 
 
 def ceiling_tok_s(
