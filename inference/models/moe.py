@@ -133,9 +133,10 @@ class SparseMoE:
         per_rank = self.expert_range[1] - self.expert_range[0]
         # Pairs in the order of the rank that holds their expert (stable: token order within).
         flat = experts.flatten().long()
-        order = torch.argsort(torch.div(flat, per_rank, rounding_mode="floor"), stable=True)
+        owner = flat // per_rank
+        order = torch.argsort(owner, stable=True)
         tokens = order // top_k
-        send = torch.bincount(flat // per_rank, minlength=parallel.world_size)
+        send = torch.bincount(owner, minlength=parallel.world_size)
         receive = parallel.all_to_all(send, [1] * parallel.world_size, [1] * parallel.world_size)
         send_counts, receive_counts = send.tolist(), receive.tolist()
         # The expert (this rank's numbering on the receiving side) and the weight of each pair.
