@@ -58,11 +58,12 @@ class CoreShare:
         return time.monotonic(), _machine_busy_ticks(), _own_ticks()
 
     def update(self) -> int:
-        """Look again once the interval has passed; the thread count to use now."""
+        """Look again once the interval has passed (until then, one clock read a step); the
+        thread count to use now."""
+        if time.monotonic() - self._last[0] < self.interval_s:
+            return self.threads
         now, busy, own = sample = self._sample()
         seconds = now - self._last[0]
-        if seconds < self.interval_s:
-            return self.threads
         others_ticks = (busy - self._last[1]) - (own - self._last[2])
         self._last = sample
         self.others = max(0.0, others_ticks / _TICKS / seconds)

@@ -47,10 +47,14 @@ class FlatStep:
     # The rank whose cache holds each sequence's blocks (data-parallel attention), else zeros.
     seq_ranks: list[int]
 
+    @classmethod
+    def empty(cls) -> FlatStep:
+        return cls([], [], [], [], [], [], [], [])
+
     def for_rank(self, rank: int) -> FlatStep:
         """The part of the step whose sequences run on `rank` (data-parallel attention), its
         sampling rows renumbered; block tables and slots are that rank's own already."""
-        local = FlatStep([], [], [], [], [], [], [], [])
+        local = FlatStep.empty()
         samples = set(self.sample_rows)
         start = 0
         for index, length in enumerate(self.query_lens):
@@ -141,7 +145,7 @@ class ModelRunner:
 
     def flatten(self, scheduled: list[ScheduledSequence]) -> tuple[FlatStep, list[Sequence]]:
         """The step's flat batch, and the sequences that sample (in `sample_rows` order)."""
-        step = FlatStep([], [], [], [], [], [], [], [])
+        step = FlatStep.empty()
         sampling: list[Sequence] = []
         bs = self.block_size
         for item in scheduled:

@@ -132,27 +132,33 @@ class TestTwoRanksMatchOne:
             assert share[heads] == whole[heads] // 2
             assert share[:heads] == whole[:heads] and share[heads + 1 :] == whole[heads + 1 :]
 
-    def test_data_parallel_attention_spreads_the_sequences(self, engines):
-        """A batch runs on both ranks' caches, and rank 0's experts router saw only its own
-        sequences' tokens (the rest were routed on rank 1 and sent over)."""
+    def test_where_a_batch_runs(self, engines):
+        """Data-parallel attention: a batch runs on both ranks' caches, and rank 0's router saw
+        only its own sequences' tokens (the rest were routed on rank 1 and sent over).
+        Tensor-parallel attention: one block pool, and rank 0 routed every token."""
         one, two = engines
-        if not two.engine.config.data_parallel_attention:
-            pytest.skip("tensor-parallel attention: every rank runs every sequence")
-        pools = two.engine.block_manager.pools
+        data_parallel = two.engine.config.data_parallel_attention
+        pools = two.engine.block_manager.pools if data_parallel else []
         before = [pool.prefix_cache_query_tokens for pool in pools]
         routed = [llm.engine.stats().expert_tokens for llm in (one, two)]
         prompts = random_prompts(7, [9, 10, 11, 12, 13, 14])
         assert token_ids(two, prompts, "spread") == token_ids(one, prompts, "spread")
-        queried = [
-            pool.prefix_cache_query_tokens - b for pool, b in zip(pools, before, strict=True)
-        ]
-        assert all(queried) and sum(queried) == sum(len(p) for p in prompts)
+        if data_parallel:
+            queried = [
+                pool.prefix_cache_query_tokens - b for pool, b in zip(pools, before, strict=True)
+            ]
+            assert all(queried) and sum(queried) == sum(len(p) for p in prompts)
+        else:
+            assert not hasattr(two.engine.block_manager, "pools")
         if routed[0] is not None:
             one_routed, rank_0_routed = (
                 sum(llm.engine.stats().expert_tokens) - sum(start)
                 for llm, start in zip((one, two), routed, strict=True)
             )
-            assert 0 < rank_0_routed < one_routed
+            if data_parallel:
+                assert 0 < rank_0_routed < one_routed
+            else:
+                assert rank_0_routed == one_routed
 
 
 @pytest.mark.parametrize(
