@@ -54,12 +54,15 @@ class EmbeddedHearth:
         dtype: str = "auto",
         kv_cache_mb: int = 256,
         disaggregated: bool = False,
+        deterministic: bool = False,
     ):
         if not settings.EMBEDDED:
             raise RuntimeError("embedded mode runs without REDIS_URL")
         self.host, self.port = host, port
         self.dtype, self.kv_cache_mb = dtype, kv_cache_mb
         self.disaggregated = disaggregated
+        # True: deterministic engines; False leaves EngineConfig's default (HEARTH_DETERMINISTIC).
+        self.deterministic = deterministic
         self.stop = threading.Event()
         self.heartbeat = MemoryHeartbeat()
         self.node_metrics = NodeMetrics()  # every node's of this process
@@ -124,6 +127,7 @@ class EmbeddedHearth:
                 dtype=self.dtype,
                 kv_cache_memory_bytes=self.kv_cache_mb * 1024 * 1024,
                 max_model_len=model.context_length,
+                **({"deterministic": True} if self.deterministic else {}),
             )
         )
 

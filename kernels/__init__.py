@@ -23,7 +23,9 @@ from kernels.attention import (
     store_kvcache_torch,
     store_kvcache_triton,
 )
+from kernels.batch_invariance import batch_invariant, is_batch_invariant
 from kernels.fused_moe import fused_moe_torch, fused_moe_triton
+from kernels.invariant_attention import paged_attention_invariant_torch
 from kernels.linear import Int4Weight, linear_torch, pack_linear_weight
 from kernels.mla_attention import (
     mla_decode_torch,
@@ -42,10 +44,12 @@ __all__ = [
     "PagedAttentionBatch",
     "PrefillSegment",
     "attention",
+    "batch_invariant",
     "build_cos_sin_cache",
     "build_paged_attention_batch",
     "fused_moe",
     "gelu_and_mul",
+    "is_batch_invariant",
     "linear",
     "mla_decode",
     "mla_prefill",
@@ -65,7 +69,9 @@ SILU_AND_MUL = dispatch.Op("silu_and_mul", silu_and_mul_torch, silu_and_mul_trit
 GELU_AND_MUL = dispatch.Op("gelu_and_mul", gelu_and_mul_torch, gelu_and_mul_triton)
 LINEAR = dispatch.Op("linear", linear_torch)
 STORE_KVCACHE = dispatch.Op("store_kvcache", store_kvcache_torch, store_kvcache_triton)
-ATTENTION = dispatch.Op("attention", paged_attention_torch, paged_attention_triton)
+ATTENTION = dispatch.Op(
+    "attention", paged_attention_torch, paged_attention_triton, paged_attention_invariant_torch
+)
 SELECT_EXPERTS = dispatch.Op("select_experts", select_experts_torch, select_experts_triton)
 FUSED_MOE = dispatch.Op("fused_moe", fused_moe_torch, fused_moe_triton)
 STORE_LATENT = dispatch.Op("store_latent", store_latent_torch, store_latent_triton)

@@ -61,6 +61,8 @@ class PagedAttentionBatch:
     context_lens: list[int] = field(default_factory=list)
     device: torch.device | str = "cpu"
     _kernel_batch: KernelBatch | None = None
+    # kernels.invariant_attention's per-split slots and masks, built on first use per step.
+    _split_plan: object | None = None
 
     def kernel_batch(self) -> KernelBatch:
         """The tensors the Triton kernels take, built on first use and shared by every layer

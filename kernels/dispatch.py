@@ -8,6 +8,9 @@ before `kernels` is first imported (Triton reads it when the kernels are defined
 sets it then when no GPU is present. `HEARTH_KERNELS=torch` forces the reference everywhere. The
 variable is read once, at import: ops run thousands of times per second.
 
+In batch-invariant mode (`kernels.batch_invariance`) an op with an `invariant` path runs it on CPU
+tensors, whatever HEARTH_KERNELS says: the Triton kernels have no batch-invariant variants yet.
+
 `linear` has no Triton kernel on purpose: a dense projection is cuBLAS's job on a GPU (and
 torch's int4 kernel's for quantized weights); it runs its reference under every setting.
 """
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.batch_invariance import is_batch_invariant
+
 # Ops whose reference is also what a GPU should run (see the module docstring).
 TORCH_ONLY_OPS = frozenset({"linear"})
 
@@ -31,6 +36,9 @@ class Op:
     name: str
     reference: Callable
     triton: Callable | None = None
+    # The CPU path of batch-invariant mode (kernels.batch_invariance), where the reference's
+    # summation order depends on the step's shape.
+    invariant: Callable | None = None
 
     def __post_init__(self) -> None:
         # Only the ops that are torch's by design may lack a kernel, so `select` never has to
@@ -60,6 +68,8 @@ def forced_backend() -> str | None:
 
 def select(op: Op, tensor: torch.Tensor) -> Callable:
     """Return the implementation of `op` to run on `tensor`."""
+    if op.invariant is not None and not tensor.is_cuda and is_batch_invariant():
+        return op.invariant
     backend = _forced_backend
     if backend == "torch" or op.triton is None:
         return op.reference

@@ -7,7 +7,8 @@ Decoding one sequence reads every weight once per token, so its speed is the mem
 divided by the weight bytes. `Int4Weight` holds a weight quantized to 4 bits in groups of 32 along
 the input dimension (asymmetric: w = (q - 8) * scale + zero, as torch's int4 CPU kernel
 defines it), a quarter of the bf16 bytes; one-row inputs run the int4 kernel, larger batches (which
-are compute-bound, where the int4 kernel is slow) run a bf16 copy of the same dequantized values.
+are compute-bound, where the int4 kernel is slow) run a bf16 copy of the same dequantized values
+(every batch size does in batch-invariant mode).
 For weights that were 4-bit already (a Q4_0/Q4_1 GGUF), min/max grouping recovers their grid.
 """
 
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.batch_invariance import is_batch_invariant
+
 # Batch size oneDNN tunes the packed layout for; any batch size runs with it.
 _PACK_BATCH_HINT = 32
 INT4_GROUP_SIZE = 32
@@ -25,14 +28,21 @@ INT4_GROUP_SIZE = 32
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     """The layout `linear` should be given `weight` in: packed for bf16 on a oneDNN CPU."""
-    if (
-        weight.dtype == torch.bfloat16
-        and not weight.is_cuda
-        and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    ):
-        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_BATCH_HINT)
+    if weight.dtype == torch.bfloat16:
+        packed = pack_linear_weight_for_onednn(weight)
+        return weight if packed is None else packed
     return weight
+
+
+def pack_linear_weight_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` reordered into oneDNN's blocked layout, or None where oneDNN can't run it."""
+    if weight.is_cuda or not torch.backends.mkldnn.is_available():
+        return None
+    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    if weight.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_BATCH_HINT)
 
 
 def int4_group_quantize(
@@ -92,12 +102,25 @@ def linear_torch(
 ) -> torch.Tensor:
     """x [T, K] @ weight[N, K]^T (+ bias[N]) -> [T, N]; `weight` plain, packed or int4."""
     if isinstance(weight, Int4Weight):
-        if x.shape[0] == 1:
+        # The int4 kernel sums a row differently from the dense copy: batch-invariant mode
+        # runs the dense copy for every batch size.
+        if x.shape[0] == 1 and not is_batch_invariant():
             out = torch._weight_int4pack_mm_for_cpu(
                 x, weight.packed, weight.group_size, weight.scales_and_zeros
             )
             return out if bias is None else out + bias
         weight = weight.dense
     if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        if x.shape[0] == 1 and is_batch_invariant():
+            # oneDNN runs one row through another kernel than two or more, and on real
+            # weights it rounds an element differently now and then (SmolLM2's down_proj of
+            # layer 18: one of 576 outputs, by 2e-6); batch-invariant mode never sends one row.
+            return _linear_onednn(x.expand(2, -1), weight, bias)[:1]
+        return _linear_onednn(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _linear_onednn(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

@@ -9,6 +9,7 @@ import torch
 
 from inference.distributed.parallel import Parallel
 from inference.engine.cpu_dtype import preferred_dtype
+from kernels.batch_invariance import matmul_rows_keep_their_bits
 
 _DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -67,6 +68,9 @@ class EngineConfig:
     # Threads for torch's ops on the CPU: None adapts them to the cores other processes leave
     # free (inference/engine/cpu_threads.py); a number fixes them.
     cpu_threads: int | None = field(default_factory=lambda: _env_threads())
+    # Deterministic inference (docs/determinism.md): every op takes its batch-invariant path,
+    # so a request's tokens and logprobs don't depend on what shares its steps or the cache.
+    deterministic: bool = field(default_factory=lambda: _env_deterministic())
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":
@@ -109,6 +113,18 @@ class EngineConfig:
             raise ValueError("data_parallel_attention needs a group: set tensor_parallel > 1")
         if self.distributed_timeout_s <= 0:
             raise ValueError("distributed_timeout_s must be positive")
+        if self.deterministic:
+            self._check_deterministic()
+
+    def _check_deterministic(self) -> None:
+        if self.tensor_parallel > 1:
+            raise ValueError("deterministic mode serves from one device for now: tensor_parallel 1")
+        if not matmul_rows_keep_their_bits(self.torch_dtype):
+            raise ValueError(
+                f"deterministic mode needs a dtype whose matmuls give a row the same bits in any "
+                f"batch on this CPU; {self.dtype} does not here (bfloat16 does on CPUs with native "
+                "bf16: docs/determinism.md)"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -139,3 +155,13 @@ def _env_threads() -> int | None:
     """HEARTH_CPU_THREADS fixes the CPU thread count (unset or empty: adapt)."""
     value = os.environ.get("HEARTH_CPU_THREADS", "").strip()
     return int(value) if value else None
+
+
+def _env_deterministic() -> bool:
+    """HEARTH_DETERMINISTIC=1 (or true/yes/on) turns deterministic mode on."""
+    value = os.environ.get("HEARTH_DETERMINISTIC", "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"HEARTH_DETERMINISTIC must be 1 or 0, got {value!r}")

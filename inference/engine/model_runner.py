@@ -100,7 +100,10 @@ class ModelRunner:
         self.parallel = parallel or Parallel.single()
         self.group = group
         self.device = torch.device(config.rank_device(self.parallel.rank))
-        with torch.inference_mode():
+        if config.deterministic and model_config.mla is not None:
+            raise ValueError("deterministic mode does not cover MLA attention yet")
+        # Packing reads the mode too: batch-invariant float32 weights are packed for oneDNN.
+        with torch.inference_mode(), ops.batch_invariant(config.deterministic):
             self.model = DecoderModel(
                 model_config, config.torch_dtype, max_model_len, self.parallel
             )
@@ -168,14 +171,16 @@ class ModelRunner:
     def execute(self, step: FlatStep) -> torch.Tensor | None:
         """The forward over `step`, writing its KV; the float32 logits of its sampling rows
         ([rows, vocab]), or None when none samples. Every rank of a group runs it on the same
-        step, so that the model's collectives pair up."""
+        step, so that the model's collectives pair up. In deterministic mode every op takes its
+        batch-invariant path (kernels.batch_invariance)."""
         if self.parallel.data_parallel_attention:
             return self._execute_own_sequences(step)
-        hidden = self._forward(step)
-        if not step.sample_rows:
-            return None
-        rows = torch.tensor(step.sample_rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, rows))
+        with ops.batch_invariant(self.config.deterministic):
+            hidden = self._forward(step)
+            if not step.sample_rows:
+                return None
+            rows = torch.tensor(step.sample_rows, dtype=torch.long, device=self.device)
+            return self.model.compute_logits(hidden.index_select(0, rows))
 
     def _execute_own_sequences(self, step: FlatStep) -> torch.Tensor | None:
         """Data-parallel attention: the forward over this rank's sequences of `step` (or only

@@ -85,6 +85,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "by all-to-all",
     )
     parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant ops: a request's tokens don't depend on its batch "
+        "(default: HEARTH_DETERMINISTIC)",
+    )
+    parser.add_argument(
         "--broker-heartbeat-ms",
         type=int,
         default=60_000,
@@ -141,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             tensor_parallel=args.tensor_parallel,
             expert_parallel=args.expert_parallel,
             data_parallel_attention=args.data_parallel_attention,
+            **({"deterministic": True} if args.deterministic else {}),
         )
     )
     broker = make_broker(args)

@@ -55,3 +55,16 @@ def check_attention(actual, expected, dtype, shape_id: str) -> None:
     torch.testing.assert_close(
         actual.double(), expected, atol=atol, rtol=rtol, msg=lambda m: f"{shape_id}: {m}"
     )
+
+
+def reference_attention(q, k, v, scale):
+    """float64 causal attention of q [n_new, H, D] over k/v [ctx, Hk, D]; new tokens last."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    n_new, ctx = q.shape[0], k.shape[0]
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    allowed = torch.arange(ctx)[None, :] <= torch.arange(n_new)[:, None] + (ctx - n_new)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n_new, -1)

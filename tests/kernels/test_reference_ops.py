@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kernels as ops
+from tests.kernels.kernel_checks import reference_attention
 
 # (atol, rtol) by dtype: float32 differs from float64 by rounding only; bfloat16 keeps 8 bits.
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
@@ -121,19 +122,6 @@ def test_store_kvcache_writes_only_mapped_slots(block_size):
     written = {s for s in slots.tolist() if s >= 0}
     untouched = [s for s in range(k_flat.shape[0]) if s not in written]
     assert torch.isnan(k_flat[untouched]).all() and torch.isnan(v_flat[untouched]).all()
-
-
-def reference_attention(q, k, v, scale):
-    """float64 causal attention of q [n_new, H, D] over k/v [ctx, Hk, D]; new tokens last."""
-    q, k, v = q.double(), k.double(), v.double()
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    n_new, ctx = q.shape[0], k.shape[0]
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    allowed = torch.arange(ctx)[None, :] <= torch.arange(n_new)[:, None] + (ctx - n_new)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n_new, -1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -6,6 +6,7 @@ up in the catalog and passes the broker and Redis settings on, and the node's ro
 (prefill and decode), or one side of disaggregated serving (controlplane/catalog/registry.py).
 `--metrics-port` (default HEARTH_NODE_METRICS_PORT; unset or 0: none) serves the node's own
 `/metrics` (inference/node/metrics.py); its log follows the settings' LOGGING (HEARTH_LOG_FORMAT).
+`--deterministic` runs the engine batch-invariant (docs/determinism.md).
 `--tensor-parallel N --expert-parallel M [--data-parallel-attention]` serve the model from a
 group of N rank processes, one node to the control plane (docs/parallelism.md).
 """
@@ -37,6 +38,7 @@ class Command(BaseCommand):
         parser.add_argument("--tensor-parallel", type=int, default=1)
         parser.add_argument("--expert-parallel", type=int, default=1)
         parser.add_argument("--data-parallel-attention", action="store_true")
+        parser.add_argument("--deterministic", action="store_true")
         parser.add_argument(
             "--metrics-port", type=int, default=int(os.environ.get("HEARTH_NODE_METRICS_PORT") or 0)
         )
@@ -90,6 +92,8 @@ def node_argv(model: ServedModel, options: dict[str, Any]) -> list[str]:
     ]
     if options.get("data_parallel_attention"):
         argv.append("--data-parallel-attention")
+    if options.get("deterministic"):
+        argv.append("--deterministic")
     if options["node_id"]:
         argv += ["--node-id", options["node_id"]]
     if options.get("metrics_port"):

@@ -24,11 +24,18 @@ class Command(BaseCommand):
             action="store_true",
             help="a prefill node and a decode node per model, KV moved over loopback",
         )
+        parser.add_argument(
+            "--deterministic",
+            action="store_true",
+            help="batch-invariant engines: the same request, the same tokens (docs/determinism.md)",
+        )
 
     def handle(self, *args, host: str, port: int, dtype: str, kv_cache_mb: int, **options):
         if not settings.EMBEDDED:
             raise CommandError(
                 "serve is embedded mode; with REDIS_URL set run uvicorn, runnode and rundramatiq"
             )
-        hearth = EmbeddedHearth(host, port, dtype, kv_cache_mb, options["disaggregated"])
+        hearth = EmbeddedHearth(
+            host, port, dtype, kv_cache_mb, options["disaggregated"], options["deterministic"]
+        )
         asyncio.run(hearth.serve())

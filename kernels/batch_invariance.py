@@ -1,0 +1,134 @@
+"""Batch-invariant mode: each row's result does not depend on what else is in the step.
+
+A matmul, a norm or an attention may add up a row's terms in an order that depends on how many
+rows share the call (a BLAS picks its kernel by shape), and in bfloat16 a different order can
+change a token. Under `batch_invariant()` the ops that could (`attention`, and `linear` for
+weights torch's BLAS would run) take the paths whose order is fixed per row:
+
+- `linear`: bf16 weights are packed for oneDNN, whose kernels reduce each row in one fixed order
+  for any number of rows; int4 weights run their dequantized copy for every batch size (the
+  one-row int4 kernel sums differently).
+- `attention`: `kernels.invariant_attention`, keys in fixed splits of `KEY_SPLIT` positions.
+- RMSNorm, rotary, SiLU-and-mul and log-softmax are row-wise already (`probe_row_invariance`
+  checks it on the machine at hand).
+
+It holds for a dtype whose matmuls keep a row's bits (`matmul_rows_keep_their_bits`): bfloat16
+on a CPU with native bf16. float32 goes through torch's BLAS, which picks its kernel by shape
+(a one-row call sums differently from a two-row one); oneDNN's packed float32 linear would be
+invariant, but the attention's matmuls over the cache have no packed form, so the engine
+refuses deterministic mode for such a dtype rather than promise what it can't keep.
+
+The mode is a context variable, so the engine sets it around its own forward and a process can
+hold engines in both modes. `probe_row_invariance` is the record of which of torch's paths keep
+a row's bits on this CPU when the number of rows changes (docs/determinism.md lists a run).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+_BATCH_INVARIANT = contextvars.ContextVar("hearth_batch_invariant", default=False)
+
+# Row counts the probe compares: 1 and 2 (BLAS takes a matrix-vector path for one row), tile
+# edges, and a prefill's worth.
+_PROBE_ROWS = (1, 2, 3, 7, 16, 17, 33, 64, 129, 256, 257, 1024)
+
+
+@contextmanager
+def batch_invariant(enabled: bool = True) -> Iterator[None]:
+    """Run the ops inside in batch-invariant mode (or, with `enabled=False`, in default mode)."""
+    token = _BATCH_INVARIANT.set(enabled)
+    try:
+        yield
+    finally:
+        _BATCH_INVARIANT.reset(token)
+
+
+def is_batch_invariant() -> bool:
+    """Whether the current context runs the batch-invariant paths."""
+    return _BATCH_INVARIANT.get()
+
+
+def batched_matmul(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """[..., M, K] @ [..., K, N] as one `torch.bmm` over the flattened leading dimensions, from
+    contiguous operands: `torch.matmul` takes another path for a leading dimension of 1, and the
+    BLAS another kernel for a transposed operand, each summing in its own order."""
+    batch = left.shape[:-2]
+    left = left.reshape(-1, *left.shape[-2:]).contiguous()
+    out = torch.bmm(left, right.reshape(-1, *right.shape[-2:]).contiguous())
+    return out.view(*batch, *out.shape[-2:])
+
+
+@functools.cache
+def matmul_rows_keep_their_bits(dtype: torch.dtype) -> bool:
+    """Whether torch's batched matmul gives a row the same bits whatever the number of rows in
+    its call, on this CPU, at 1 and 2 threads (bfloat16 through oneDNN: yes here; float32
+    through the BLAS: no, it picks its kernel by shape)."""
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 3, 64, 256, generator=generator).to(dtype)
+    rows = torch.randn(1, 3, 700, 64, generator=generator).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        for count in sorted({1, min(2, threads), threads}):
+            torch.set_num_threads(count)
+            alone = batched_matmul(rows[:, :, :3], keys)
+            for length in (4, 16, 100, 700):
+                if not torch.equal(batched_matmul(rows[:, :, :length], keys)[:, :, :3], alone):
+                    return False
+    finally:
+        torch.set_num_threads(threads)
+    return True
+
+
+def rows_keep_their_bits(fn: Callable[[torch.Tensor], torch.Tensor], inputs: torch.Tensor) -> bool:
+    """Whether `fn` gives each of the first rows of `inputs` the same bits for every row count in
+    `_PROBE_ROWS` (and at 1 and 2 threads) as when that row is computed alone."""
+    threads = torch.get_num_threads()
+    alone = torch.cat([fn(inputs[i : i + 1]) for i in range(4)])
+    try:
+        for count in sorted({1, min(2, threads), threads}):
+            torch.set_num_threads(count)
+            for rows in _PROBE_ROWS:
+                seen = min(rows, 4)
+                if not torch.equal(fn(inputs[:rows])[:seen], alone[:seen]):
+                    return False
+    finally:
+        torch.set_num_threads(threads)
+    return True
+
+
+def probe_row_invariance(dtype: torch.dtype, hidden: int = 576, out: int = 1536) -> dict:
+    """For each candidate path, whether it keeps a row's bits as the row count changes, on this
+    CPU and torch build: `{name: bool}`. Random inputs each call."""
+    from kernels.linear import pack_linear_weight_for_onednn
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out, hidden, generator=generator).to(dtype) / hidden**0.5
+    inputs = torch.randn(1024, hidden, generator=generator).to(dtype)
+    packed = pack_linear_weight_for_onednn(weight)
+    eps = 1e-5
+
+    def rms(x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    return {
+        "linear (torch's BLAS, plain weight)": rows_keep_their_bits(
+            lambda x: F.linear(x, weight), inputs
+        ),
+        "linear (oneDNN, packed weight)": packed is not None
+        and rows_keep_their_bits(
+            lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), inputs
+        ),
+        "rms_norm": rows_keep_their_bits(rms, inputs),
+        "log_softmax": rows_keep_their_bits(lambda x: torch.log_softmax(x.float(), -1), inputs),
+        "silu_and_mul": rows_keep_their_bits(
+            lambda x: F.silu(x[:, : hidden // 2]) * x[:, hidden // 2 :], inputs
+        ),
+    }

@@ -1,0 +1,122 @@
+"""Deterministic mode: a greedy or seeded request gets bitwise the same tokens and logprobs
+whatever shares its steps, however its prefill is chunked, whether its prompt came from the
+prefix cache, after preemption, and at any thread count. Tiny random models of every family the
+engine serves in deterministic mode (MLA is refused), in bfloat16 (float32 is refused where its
+matmuls change with the batch, as on this CPU)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from inference.engine import LLM, SamplingParams
+from kernels.batch_invariance import matmul_rows_keep_their_bits
+from tests.inference.tiny_models import build_tiny_model
+
+MAX_NEW = 12
+# Prompt lengths cross a key split (256), the chunk budgets below and block edges.
+LENGTHS = [1, 7, 16, 33, 90, 255, 256, 257, 300, 520, 700]
+
+
+def _params(seeded: bool) -> list[SamplingParams]:
+    """Greedy with logprobs, and seeded sampling at temperature 0.9 with logprobs."""
+    return [
+        SamplingParams(
+            temperature=0.9 if seeded else 0.0,
+            seed=1000 + index if seeded else None,
+            max_tokens=MAX_NEW,
+            ignore_eos=True,
+            logprobs=True,
+            top_logprobs=3,
+        )
+        for index in range(len(LENGTHS))
+    ]
+
+
+def _prompts(vocab_size: int, lengths: list[int], seed: int = 7) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, vocab_size) for _ in range(max(lengths))]
+    # Half the prompts share a prefix (a prefix-cache hit in the warm runs), half are their own.
+    return [
+        shared[:n] if index % 2 else [rng.randrange(3, vocab_size) for _ in range(n)]
+        for index, n in enumerate(lengths)
+    ]
+
+
+def _answers(results) -> list[tuple]:
+    """Each result's tokens and logprobs (value and top alternatives), exactly."""
+    return [
+        (
+            tuple(r.token_ids),
+            tuple((lp.token_id, lp.logprob, tuple(lp.top_logprobs)) for lp in r.logprobs),
+        )
+        for r in results
+    ]
+
+
+def _alone(llm, prompts, params):
+    return [llm.generate([p], [sp])[0] for p, sp in zip(prompts, params, strict=True)]
+
+
+def _scenarios(model_dir: str, dtype: str, prompts, params) -> dict[str, list]:
+    """Every way the same requests are run: name -> answers, in prompt order."""
+    runs = {}
+    alone = LLM(model_dir, dtype=dtype, deterministic=True, enable_prefix_caching=False)
+    runs["alone"] = _answers(_alone(alone, prompts, params))
+    for budget in (64, 512, 2048):
+        llm = LLM(model_dir, dtype=dtype, deterministic=True, max_num_batched_tokens=budget)
+        order = list(range(len(prompts)))
+        random.Random(budget).shuffle(order)
+        shuffled = llm.generate([prompts[i] for i in order], [params[i] for i in order])
+        by_prompt = dict(zip(order, _answers(shuffled), strict=True))
+        runs[f"together, shuffled, budget {budget}"] = [by_prompt[i] for i in range(len(order))]
+        if budget == 512:
+            # The same engine again: every prompt's full blocks now come from the cache.
+            warm = llm.generate(prompts, params)
+            assert sum(r.cached_tokens for r in warm) > 0
+            runs["warm cache, together"] = _answers(warm)
+            runs["warm cache, alone"] = _answers(_alone(llm, prompts, params))
+    tight = LLM(model_dir, dtype=dtype, deterministic=True, num_kv_blocks=48)
+    runs["preemption"] = _answers(tight.generate(prompts, params))
+    assert tight.engine.scheduler.num_preemptions > 0
+    one_thread = LLM(model_dir, dtype=dtype, deterministic=True, cpu_threads=1)
+    runs["one thread, together"] = _answers(one_thread.generate(prompts, params))
+    return runs
+
+
+def _assert_all_equal(runs: dict[str, list]) -> None:
+    baseline = runs["alone"]
+    for name, answers in runs.items():
+        for index, (got, want) in enumerate(zip(answers, baseline, strict=True)):
+            assert got == want, f"{name}: prompt {index} ({LENGTHS[index]} tokens) differs"
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mixtral", "qwen2-moe"])
+def family_dir(request, tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp(f"det-{request.param}"), request.param)
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_tiny_models_answer_bitwise_the_same_in_every_scenario(family_dir, seeded):
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(str(family_dir)).vocab_size
+    prompts = _prompts(vocab, LENGTHS)
+    _assert_all_equal(_scenarios(str(family_dir), "bfloat16", prompts, _params(seeded)))
+
+
+def test_float32_is_refused_where_its_matmuls_change_with_the_batch(tiny_llama_dir):
+    """torch's float32 BLAS sums a row differently for one row and for two on this CPU
+    (kernels.batch_invariance); the engine says so instead of serving a broken promise."""
+    if matmul_rows_keep_their_bits(torch.float32):
+        pytest.skip("this CPU's float32 matmuls keep a row's bits: float32 is allowed here")
+    with pytest.raises(ValueError, match="deterministic mode needs a dtype"):
+        LLM(str(tiny_llama_dir), dtype="float32", deterministic=True)
+
+
+def test_mla_models_are_refused_in_deterministic_mode(tmp_path):
+    model_dir = build_tiny_model(tmp_path / "mla", "deepseek-v3")
+    with pytest.raises(ValueError, match="MLA"):
+        LLM(str(model_dir), dtype="bfloat16", deterministic=True)
