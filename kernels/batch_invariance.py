@@ -56,12 +56,14 @@ def is_batch_invariant() -> bool:
 
 
 def batched_matmul(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    """[..., M, K] @ [..., K, N] as one `torch.bmm` over the flattened leading dimensions, from
-    contiguous operands: `torch.matmul` takes another path for a leading dimension of 1, and the
-    BLAS another kernel for a transposed operand, each summing in its own order."""
+    """[..., M, K] @ [..., K, N] as one `torch.bmm` over the flattened leading dimensions, the
+    left operand contiguous: `torch.matmul` takes another path for a leading dimension of 1,
+    and a BLAS may pick another kernel for another layout. The caller gives `right` in one
+    layout every time (the attention: keys transposed, values as they are, both from
+    contiguous [..., keys, D])."""
     batch = left.shape[:-2]
     left = left.reshape(-1, *left.shape[-2:]).contiguous()
-    out = torch.bmm(left, right.reshape(-1, *right.shape[-2:]).contiguous())
+    out = torch.bmm(left, right.reshape(-1, *right.shape[-2:]))
     return out.view(*batch, *out.shape[-2:])
 
 
@@ -71,7 +73,7 @@ def matmul_rows_keep_their_bits(dtype: torch.dtype) -> bool:
     its call, on this CPU, at 1 and 2 threads (bfloat16 through oneDNN: yes here; float32
     through the BLAS: no, it picks its kernel by shape)."""
     generator = torch.Generator().manual_seed(0)
-    keys = torch.randn(1, 3, 64, 256, generator=generator).to(dtype)
+    keys = torch.randn(1, 3, 256, 64, generator=generator).to(dtype).transpose(-1, -2)
     rows = torch.randn(1, 3, 700, 64, generator=generator).to(dtype)
     threads = torch.get_num_threads()
     try:

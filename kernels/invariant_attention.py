@@ -51,8 +51,8 @@ class SplitGroup:
     num_sequences: int  # decode: one per query; a prefill: 1
     # Per split: the cache slots of its keys [num_sequences, KEY_SPLIT] (None: the keys are
     # this step's own `key` rows, the sequence has no cached prefix), the additive mask
-    # [num_sequences, 1, rows, KEY_SPLIT] over the rows still attending, the first such row, and
-    # for decodes which sequences see any key of the split [num_sequences, 1, 1] (None: all do).
+    # [1, num_sequences, rows, KEY_SPLIT] over the rows still attending, the first such row, and
+    # for decodes which sequences see any key of the split [1, num_sequences, 1] (None: all do).
     slots: list[torch.Tensor | None]
     masks: list[torch.Tensor]
     first_rows: list[int]
@@ -86,10 +86,11 @@ def split_plan(batch, group_size: int) -> SplitPlan:
         for split in range(splits):
             keys = split * KEY_SPLIT + offsets
             visible = keys.unsqueeze(0) < lens.unsqueeze(1)  # [n, KEY_SPLIT]
-            mask = _additive(visible).view(n, 1, 1, KEY_SPLIT)
+            mask = _additive(visible).view(1, n, 1, KEY_SPLIT)
             slots.append(padded[:, split * KEY_SPLIT : (split + 1) * KEY_SPLIT])
-            masks.append(mask.expand(n, 1, group_size, KEY_SPLIT).to(device))
-            seen.append(visible.any(-1).view(n, 1, 1).to(device))
+            masks.append(mask.expand(1, n, group_size, KEY_SPLIT).to(device))
+            sees = visible.any(-1)
+            seen.append(None if bool(sees.all()) else sees.view(1, n, 1).to(device))
         groups.append(SplitGroup(0, n, n, slots, masks, [0] * splits, seen))
     for seg in batch.prefills:
         prefix = seg.context_len - seg.query_len
@@ -144,17 +145,18 @@ def paged_attention_invariant_torch(
     for group in split_plan(batch, group_size).groups:
         tokens = slice(group.query_start, group.query_start + group.query_len)
         per_sequence = group.query_len // group.num_sequences
-        # [sequences, KV heads, rows, D]: a token's query heads of one KV head are its rows.
+        # [KV heads, sequences, rows, D]: a token's query heads of one KV head are its rows, and
+        # the keys are gathered in the same order, so each (head, sequence) is one bmm item.
         rows = (
             query[tokens]
             .reshape(group.num_sequences, per_sequence, num_kv_heads, group_size, head_dim)
-            .permute(0, 2, 1, 3, 4)
-            .reshape(group.num_sequences, num_kv_heads, per_sequence * group_size, head_dim)
+            .permute(2, 0, 1, 3, 4)
+            .reshape(num_kv_heads, group.num_sequences, per_sequence * group_size, head_dim)
         )
         merged = _merge_splits(rows, group, key[tokens], value[tokens], k_flat, v_flat, scale)
         out[tokens] = (
-            merged.view(group.num_sequences, num_kv_heads, per_sequence, group_size, head_dim)
-            .permute(0, 2, 1, 3, 4)
+            merged.view(num_kv_heads, group.num_sequences, per_sequence, group_size, head_dim)
+            .permute(1, 2, 0, 3, 4)
             .reshape(group.query_len, num_heads * head_dim)
         )
     return out
@@ -162,18 +164,18 @@ def paged_attention_invariant_torch(
 
 def _merge_splits(rows, group: SplitGroup, new_keys, new_values, k_flat, v_flat, scale):
     """Online softmax over the splits, in position order, in float32. `rows` is
-    [sequences, KV heads, rows, D]; the result has its shape."""
-    shape = rows.shape[:-1]
-    best = torch.full(shape, float("-inf"), dtype=torch.float32, device=rows.device)
-    total = torch.zeros(shape, dtype=torch.float32, device=rows.device)
-    acc = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
+    [KV heads, sequences, rows, D]; the result has its shape.
+
+    Every row sees the first split (key 0 is visible to every query), which sets the running
+    maximum, total and output; each later split is merged into the rows that reach it."""
+    best = total = acc = None
     for split, (slots, mask, first_row, seen) in enumerate(
         zip(group.slots, group.masks, group.first_rows, group.seen, strict=True)
     ):
         keys, values = _split_keys(split, slots, new_keys, new_values, k_flat, v_flat)
         attending = rows[:, :, first_row:]
-        live = (slice(None), slice(None), slice(first_row, None))
-        scores = batched_matmul(attending, keys.transpose(-1, -2)).float() * scale + mask
+        scores = batched_matmul(attending, keys.transpose(-1, -2)).float()
+        scores.mul_(scale).add_(mask)
         split_best = scores.amax(-1)
         shift = split_best
         if seen is not None:
@@ -181,9 +183,13 @@ def _merge_splits(rows, group: SplitGroup, new_keys, new_values, k_flat, v_flat,
             # split_best -inf: it is shifted by 0 instead (probabilities 0, not NaN), gets
             # weight 0 and rescale 1, and leaves the merge exactly as it was.
             shift = torch.where(seen, split_best, 0.0)
-        probs = torch.exp(scores - shift.unsqueeze(-1))
+        probs = scores.sub_(shift.unsqueeze(-1)).exp_()
         split_total = probs.sum(-1)
         split_out = batched_matmul(probs.to(rows.dtype), values).float()
+        if best is None:
+            best, total, acc = split_best, split_total, split_out
+            continue
+        live = (slice(None), slice(None), slice(first_row, None))
         old_best = best[live]
         new_best = torch.maximum(old_best, split_best)
         keep = torch.exp(old_best - new_best)
@@ -191,11 +197,12 @@ def _merge_splits(rows, group: SplitGroup, new_keys, new_values, k_flat, v_flat,
         total[live] = total[live] * keep + weight * split_total
         acc[live] = acc[live] * keep.unsqueeze(-1) + weight.unsqueeze(-1) * split_out
         best[live] = new_best
-    return (acc / total.unsqueeze(-1)).to(rows.dtype)
+    return acc.div_(total.unsqueeze(-1)).to(rows.dtype)
 
 
 def _split_keys(split, slots, new_keys, new_values, k_flat, v_flat):
-    """Keys and values of one split, [sequences, KV heads, KEY_SPLIT, D]."""
+    """Keys and values of one split, contiguous [KV heads, sequences, KEY_SPLIT, D]: every
+    split reaches the matmuls in this one layout."""
     if slots is None:
         start = split * KEY_SPLIT
         keys = new_keys[start : start + KEY_SPLIT]
@@ -204,8 +211,15 @@ def _split_keys(split, slots, new_keys, new_values, k_flat, v_flat):
             pad = KEY_SPLIT - keys.shape[0]
             keys = torch.cat([keys, keys.new_zeros(pad, *keys.shape[1:])])
             values = torch.cat([values, values.new_zeros(pad, *values.shape[1:])])
-        return keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
-    count = slots.shape[0]
-    keys = k_flat.index_select(0, slots.reshape(-1)).view(count, KEY_SPLIT, *k_flat.shape[1:])
-    values = v_flat.index_select(0, slots.reshape(-1)).view(count, KEY_SPLIT, *v_flat.shape[1:])
-    return keys.transpose(1, 2), values.transpose(1, 2)
+        return (
+            keys.transpose(0, 1).contiguous().unsqueeze(1),
+            values.transpose(0, 1).contiguous().unsqueeze(1),
+        )
+    count, flat = slots.shape[0], slots.reshape(-1)
+    # Gathered slot-major (index_select along a strided dimension is slow), then made
+    # head-major in one copy each.
+    keys = k_flat.index_select(0, flat).transpose(0, 1).contiguous()
+    values = v_flat.index_select(0, flat).transpose(0, 1).contiguous()
+    return keys.view(keys.shape[0], count, KEY_SPLIT, -1), values.view(
+        values.shape[0], count, KEY_SPLIT, -1
+    )

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from inference.engine import LLM, SamplingParams
+from inference.engine import LLM, EngineConfig, SamplingParams
 from kernels.batch_invariance import matmul_rows_keep_their_bits
 from tests.inference.tiny_models import build_tiny_model
 
@@ -60,8 +60,10 @@ def _alone(llm, prompts, params):
     return [llm.generate([p], [sp])[0] for p, sp in zip(prompts, params, strict=True)]
 
 
-def _scenarios(model_dir: str, dtype: str, prompts, params) -> dict[str, list]:
-    """Every way the same requests are run: name -> answers, in prompt order."""
+def _scenarios(model_dir: str, dtype: str, prompts, params, kv_blocks: int | None = 48) -> dict:
+    """Every way the same requests are run: name -> answers, in prompt order (`kv_blocks`: a
+    cache too small for all of them at once, so that some are preempted and recomputed; None:
+    no preemption run)."""
     runs = {}
     alone = LLM(model_dir, dtype=dtype, deterministic=True, enable_prefix_caching=False)
     runs["alone"] = _answers(_alone(alone, prompts, params))
@@ -78,19 +80,20 @@ def _scenarios(model_dir: str, dtype: str, prompts, params) -> dict[str, list]:
             assert sum(r.cached_tokens for r in warm) > 0
             runs["warm cache, together"] = _answers(warm)
             runs["warm cache, alone"] = _answers(_alone(llm, prompts, params))
-    tight = LLM(model_dir, dtype=dtype, deterministic=True, num_kv_blocks=48)
-    runs["preemption"] = _answers(tight.generate(prompts, params))
-    assert tight.engine.scheduler.num_preemptions > 0
+    if kv_blocks is not None:
+        tight = LLM(model_dir, dtype=dtype, deterministic=True, num_kv_blocks=kv_blocks)
+        runs["preemption"] = _answers(tight.generate(prompts, params))
+        assert tight.engine.scheduler.num_preemptions > 0
     one_thread = LLM(model_dir, dtype=dtype, deterministic=True, cpu_threads=1)
     runs["one thread, together"] = _answers(one_thread.generate(prompts, params))
     return runs
 
 
-def _assert_all_equal(runs: dict[str, list]) -> None:
+def _assert_all_equal(runs: dict[str, list], prompts) -> None:
     baseline = runs["alone"]
     for name, answers in runs.items():
         for index, (got, want) in enumerate(zip(answers, baseline, strict=True)):
-            assert got == want, f"{name}: prompt {index} ({LENGTHS[index]} tokens) differs"
+            assert got == want, f"{name}: prompt {index} ({len(prompts[index])} tokens) differs"
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mixtral", "qwen2-moe"])
@@ -104,7 +107,27 @@ def test_tiny_models_answer_bitwise_the_same_in_every_scenario(family_dir, seede
 
     vocab = AutoConfig.from_pretrained(str(family_dir)).vocab_size
     prompts = _prompts(vocab, LENGTHS)
-    _assert_all_equal(_scenarios(str(family_dir), "bfloat16", prompts, _params(seeded)))
+    _assert_all_equal(_scenarios(str(family_dir), "bfloat16", prompts, _params(seeded)), prompts)
+
+
+def test_the_default_model_answers_bitwise_the_same_in_every_scenario():
+    """SmolLM2 in bfloat16: prompts up to 2,100 tokens (crossing 256 and 1,024 rows in one
+    step), half sharing a 900-token prefix, greedy with logprobs. (Preemption is covered on the
+    tiny models: with these four prompts the scheduler never admits more than fits.)"""
+    lengths = [5, 300, 1100, 2100]
+    rng = random.Random(11)
+    shared = [rng.randrange(100, 49000) for _ in range(900)]
+    prompts = [
+        shared + [rng.randrange(100, 49000) for _ in range(n - 900)]
+        if n > 900
+        else [rng.randrange(100, 49000) for _ in range(n)]
+        for n in lengths
+    ]
+    params = [
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=True) for _ in prompts
+    ]
+    runs = _scenarios(EngineConfig.model, "bfloat16", prompts, params, kv_blocks=None)
+    _assert_all_equal(runs, prompts)
 
 
 def test_float32_is_refused_where_its_matmuls_change_with_the_batch(tiny_llama_dir):
