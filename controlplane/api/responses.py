@@ -97,7 +97,7 @@ def completion_response(
     """A `chat.completion` or `text_completion` object from a node's `result` (node_choices,
     and its `usage`). With `tool_calls` (parses_tool_calls), each choice's text is read for
     calls: found ones become its message's `tool_calls`."""
-    return {
+    body = {
         "id": response_id(endpoint, request_id),
         "object": "chat.completion" if endpoint == "chat.completions" else "text_completion",
         "created": created,
@@ -108,6 +108,15 @@ def completion_response(
         ],
         "usage": usage_object(result["usage"]),
     }
+    return with_fingerprint(body, result.get("system_fingerprint"))
+
+
+def with_fingerprint(body: dict[str, Any], fingerprint: str | None) -> dict[str, Any]:
+    """`body` with the node engine's `system_fingerprint` (left out for a result recorded
+    before nodes sent one)."""
+    if fingerprint:
+        body["system_fingerprint"] = fingerprint
+    return body
 
 
 def choice_object(
@@ -142,6 +151,7 @@ def stream_chunk(
     reason: str | None = None,
     logprobs: list[dict[str, Any]] | None = None,
     index: int = 0,
+    system_fingerprint: str | None = None,
 ) -> dict[str, Any]:
     """One SSE chunk: a text delta, a `tool_calls` delta (`tool_call`: one entry of it), the
     finishing chunk (`reason` overrides the engine's), or (with `usage`) the usage chunk that
@@ -180,7 +190,7 @@ def stream_chunk(
                 }
             ]
         )
-    return {
+    body = {
         "id": response_id(endpoint, request_id),
         "object": kind,
         "created": created,
@@ -188,3 +198,4 @@ def stream_chunk(
         "choices": choices,
         "usage": usage_object(usage) if usage is not None else None,
     }
+    return with_fingerprint(body, system_fingerprint)

@@ -264,8 +264,17 @@ def _stream(layer, channel: str, deadline: float, admission: Admission, first: d
     job, request = admission.job, admission.request
     created = int(job.created.timestamp())
 
+    fingerprint = first.get("system_fingerprint")
+
     def chunk(**fields) -> bytes:
-        body = stream_chunk(job.endpoint, job.request_id, job.model, created, **fields)
+        body = stream_chunk(
+            job.endpoint,
+            job.request_id,
+            job.model,
+            created,
+            system_fingerprint=fingerprint,
+            **fields,
+        )
         if not request.include_usage:
             body.pop("usage")
         return _sse(body)

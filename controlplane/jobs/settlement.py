@@ -162,6 +162,7 @@ def _settlement(job: Job, price, result: CompletionResult, now) -> Settlement:
             "timings": result.timings,
             "logprobs": result.logprobs,
             "choices": result.choices,
+            "system_fingerprint": result.system_fingerprint,
         }
     events.append((f"job.{job.status}", job_object(job)))
     return Settlement(job, record, cost, events)

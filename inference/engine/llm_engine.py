@@ -13,6 +13,7 @@ from inference.engine.block_partitions import PartitionedBlockManager
 from inference.engine.config import EngineConfig
 from inference.engine.cpu_threads import CoreShare
 from inference.engine.detokenizer import IncrementalDetokenizer
+from inference.engine.fingerprint import system_fingerprint
 from inference.engine.kv_cache import num_blocks_for_budget
 from inference.engine.model_runner import ModelRunner
 from inference.engine.outputs import (
@@ -50,6 +51,8 @@ class LLMEngine:
         directory = resolve_model_directory(self.config.model, cache_dir)
         self.model_config = ModelConfig.from_hf(read_hf_config(directory))
         self.model_directory = directory
+        # What responses report as `system_fingerprint` (inference/engine/fingerprint.py).
+        self.system_fingerprint = system_fingerprint(self.config, directory)
         self.tokenizer = Tokenizer(directory)
         model_len = self.model_config.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or model_len, model_len)

@@ -378,6 +378,7 @@ class Node:
                     "prefill_node": flight.prefill_node,
                     "cached_tokens": output.cached_tokens,
                     "logprobs": entries or None,
+                    "system_fingerprint": self.engine.system_fingerprint,
                 },
             )
         if not output.finished:
@@ -440,6 +441,7 @@ class Node:
             logprobs=first.logprobs if wants_logprobs else None,
         )
         result.prefill_node = flight.prefill_node
+        result.system_fingerprint = self.engine.system_fingerprint
         if flight.request.n > 1:
             result.choices = [
                 {

@@ -165,6 +165,7 @@ class CompletionResult:
     logprobs: list[dict[str, Any]] | None = None
     choices: list[dict[str, Any]] | None = None
     prefill_node: str | None = None  # the node that computed the prompt, when it was split
+    system_fingerprint: str | None = None  # the engine's (inference/engine/fingerprint.py)
 
     @classmethod
     def from_message(cls, body: dict[str, Any]) -> CompletionResult:
