@@ -24,10 +24,13 @@ not, and deterministic mode refuses a dtype that fails the check).
 
 A decode row whose sequence ends before a split the batch reaches gets that split
 fully masked, which the merge leaves exactly unchanged (weight 0, rescale 1), so it matches a
-prefill row that skips it. Keys always come from the cache's values (a sequence without a cached
-prefix reads this step's `key`/`value`, the same values it has just written).
+prefill row that skips it. Keys always come from the cache (this step's new keys are written
+before attention).
 
-The per-split slots and masks are built once per step (`SplitPlan`) and shared by every layer.
+The step's sequences go in groups, each one batched matmul per split: the decodes together, the
+short prefills together (padded to the longest; padding rows see no key), each long prefill on
+its own (its rows before a split skip it). The per-split slots and masks are built once per step
+(`SplitPlan`) and shared by every layer.
 """
 
 from __future__ import annotations
@@ -38,22 +41,27 @@ import torch
 
 from kernels.batch_invariance import batched_matmul
 
-KEY_SPLIT = 256
+KEY_SPLIT = 128
+
+
+# A prefill of up to this many new tokens is batched with the other short ones.
+SHORT_PREFILL = 128
 
 
 @dataclass
 class SplitGroup:
-    """Query rows that share their keys' source: the decoding sequences (one query each) or one
-    sequence with several new tokens."""
+    """Sequences whose queries go through the splits together: items of `rows` query rows
+    each (a token's query heads of one KV head are `group_size` consecutive rows; shorter items
+    are padded with rows that see no key)."""
 
-    query_start: int
-    query_len: int
-    num_sequences: int  # decode: one per query; a prefill: 1
-    # Per split: the cache slots of its keys [num_sequences, KEY_SPLIT] (None: the keys are
-    # this step's own `key` rows, the sequence has no cached prefix), the additive mask
-    # [1, num_sequences, rows, KEY_SPLIT] over the rows still attending, the first such row, and
-    # for decodes which sequences see any key of the split [1, num_sequences, 1] (None: all do).
-    slots: list[torch.Tensor | None]
+    token_index: torch.Tensor  # [items * tokens_per_item] the step's token of each row block
+    live_rows: torch.Tensor  # which of those are real tokens, not padding
+    live_tokens: torch.Tensor  # the step's tokens they are, in the same order
+    tokens_per_item: int
+    # Per split: the cache slots of its keys [items, KEY_SPLIT], the additive mask
+    # [1, items, rows, KEY_SPLIT] over the rows from the first that reaches it, that row, and
+    # which rows see any of its keys [1, items, rows] (None: all do).
+    slots: list[torch.Tensor]
     masks: list[torch.Tensor]
     first_rows: list[int]
     seen: list[torch.Tensor | None]
@@ -64,60 +72,78 @@ class SplitPlan:
     groups: list[SplitGroup]
 
 
-def split_plan(batch, group_size: int) -> SplitPlan:
-    """The step's plan for `batch` (a `PagedAttentionBatch`), built on first use per step.
-
-    `group_size` is the number of query heads per KV head: a query token's heads sharing a KV
-    head are `group_size` consecutive query rows."""
+def split_plan(batch, group_size: int, block_size: int) -> SplitPlan:
+    """The step's plan for `batch` (a `PagedAttentionBatch` over a cache of `block_size`-token
+    blocks), built on first use per step and shared by every layer."""
     cached = batch._split_plan
     if cached is not None:
         return cached
-    device = batch.device
-    groups = []
-    offsets = torch.arange(KEY_SPLIT)
-    if batch.num_decode:
-        n = batch.num_decode
-        lens = torch.tensor(batch.context_lens[:n], dtype=torch.long)
-        width = batch.decode_slots.shape[1]
-        splits = -(-width // KEY_SPLIT)
-        padded = torch.zeros(n, splits * KEY_SPLIT, dtype=torch.long, device=device)
-        padded[:, :width] = batch.decode_slots
-        slots, masks, seen = [], [], []
-        for split in range(splits):
-            keys = split * KEY_SPLIT + offsets
-            visible = keys.unsqueeze(0) < lens.unsqueeze(1)  # [n, KEY_SPLIT]
-            mask = _additive(visible).view(1, n, 1, KEY_SPLIT)
-            slots.append(padded[:, split * KEY_SPLIT : (split + 1) * KEY_SPLIT])
-            masks.append(mask.expand(1, n, group_size, KEY_SPLIT).to(device))
-            sees = visible.any(-1)
-            seen.append(None if bool(sees.all()) else sees.view(1, n, 1).to(device))
-        groups.append(SplitGroup(0, n, n, slots, masks, [0] * splits, seen))
-    for seg in batch.prefills:
-        prefix = seg.context_len - seg.query_len
-        positions = prefix + torch.arange(seg.query_len)
-        rows = positions.repeat_interleave(group_size)  # each token's heads of one KV head
-        splits = -(-seg.context_len // KEY_SPLIT)
-        slots, masks, first_rows = [], [], []
-        for split in range(splits):
-            start = split * KEY_SPLIT
-            first_row = int(torch.searchsorted(rows, start))
-            keys = start + offsets
-            visible = keys.unsqueeze(0) <= rows[first_row:].unsqueeze(1)
-            masks.append(_additive(visible).view(1, 1, -1, KEY_SPLIT).to(device))
-            first_rows.append(first_row)
-            if seg.slots is None:
-                slots.append(None)
-            else:
-                split_slots = torch.zeros(KEY_SPLIT, dtype=torch.long, device=device)
-                taken = seg.slots[start : start + KEY_SPLIT]
-                split_slots[: taken.shape[0]] = taken
-                slots.append(split_slots.view(1, KEY_SPLIT))
-        groups.append(
-            SplitGroup(seg.query_start, seg.query_len, 1, slots, masks, first_rows, [None] * splits)
-        )
+    starts = [0]
+    for query_len in batch.query_lens:
+        starts.append(starts[-1] + query_len)
+    items = list(range(len(batch.query_lens)))
+    decodes = [i for i in items if batch.query_lens[i] == 1]
+    short = [i for i in items if 1 < batch.query_lens[i] <= SHORT_PREFILL]
+    long = [[i] for i in items if batch.query_lens[i] > SHORT_PREFILL]
+    groups = [
+        _group(batch, members, starts, group_size, block_size)
+        for members in [decodes, short, *long]
+        if members
+    ]
     plan = SplitPlan(groups)
     batch._split_plan = plan
     return plan
+
+
+def _group(batch, members: list[int], starts: list[int], group_size: int, block_size: int):
+    device = batch.device
+    query_lens = [batch.query_lens[i] for i in members]
+    context_lens = [batch.context_lens[i] for i in members]
+    width = max(query_lens)
+    count = len(members)
+    # Each item's tokens (padding repeats its first) and their positions (padding: -1).
+    offsets = torch.arange(width)
+    lens = torch.tensor(query_lens)
+    live = offsets.unsqueeze(0) < lens.unsqueeze(1)  # [items, width]
+    first_tokens = torch.tensor([starts[i] for i in members])
+    token_index = torch.where(live, first_tokens.unsqueeze(1) + offsets, first_tokens.unsqueeze(1))
+    prefixes = torch.tensor(context_lens) - lens
+    positions = torch.where(live, prefixes.unsqueeze(1) + offsets, -1)
+    row_positions = positions.repeat_interleave(group_size, dim=1)  # [items, rows]
+    splits = -(-max(context_lens) // KEY_SPLIT)
+    slots = torch.zeros(count, splits * KEY_SPLIT, dtype=torch.long)
+    for row, item in enumerate(members):
+        table = torch.tensor(batch.block_tables[item], dtype=torch.long)
+        position = torch.arange(context_lens[row])
+        slots[row, : context_lens[row]] = table[position // block_size] * block_size + (
+            position % block_size
+        )
+    split_slots, masks, first_rows, seen = [], [], [], []
+    key_offsets = torch.arange(KEY_SPLIT)
+    for split in range(splits):
+        start = split * KEY_SPLIT
+        first_row = 0
+        if count == 1:
+            # One sequence: its rows are in position order; those before the split skip it.
+            first_row = int(torch.searchsorted(row_positions[0], start))
+        rows = row_positions[:, first_row:]
+        visible = (start + key_offsets).view(1, 1, -1) <= rows.unsqueeze(-1)
+        masks.append(_additive(visible).unsqueeze(0).to(device))
+        sees = visible.any(-1)
+        seen.append(None if bool(sees.all()) else sees.unsqueeze(0).to(device))
+        first_rows.append(first_row)
+        split_slots.append(slots[:, start : start + KEY_SPLIT].to(device))
+    flat_live = live.reshape(-1)
+    return SplitGroup(
+        token_index=token_index.reshape(-1).to(device),
+        live_rows=flat_live.nonzero().squeeze(1).to(device),
+        live_tokens=token_index.reshape(-1)[flat_live].to(device),
+        tokens_per_item=width,
+        slots=split_slots,
+        masks=masks,
+        first_rows=first_rows,
+        seen=seen,
+    )
 
 
 def _additive(visible: torch.Tensor) -> torch.Tensor:
@@ -135,51 +161,54 @@ def paged_attention_invariant_torch(
     scale: float,
 ) -> torch.Tensor:
     """`paged_attention_torch`'s result (within rounding), with each query's keys summed in
-    fixed splits: the same bits for a query whatever shares its step. Returns [T, Hq * D]."""
+    fixed splits: the same bits for a query whatever shares its step. `key`/`value` are
+    already in the cache, which is where the keys are read from. Returns [T, Hq * D]."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     group_size = num_heads // num_kv_heads
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=query.dtype, device=query.device)
-    for group in split_plan(batch, group_size).groups:
-        tokens = slice(group.query_start, group.query_start + group.query_len)
-        per_sequence = group.query_len // group.num_sequences
-        # [KV heads, sequences, rows, D]: a token's query heads of one KV head are its rows, and
-        # the keys are gathered in the same order, so each (head, sequence) is one bmm item.
+    for group in split_plan(batch, group_size, k_cache.shape[1]).groups:
+        items = group.slots[0].shape[0]
+        width = group.tokens_per_item
+        # [KV heads, items, rows, D]: the keys are gathered in the same order, so each
+        # (head, item) is one bmm item.
         rows = (
-            query[tokens]
-            .reshape(group.num_sequences, per_sequence, num_kv_heads, group_size, head_dim)
+            query.index_select(0, group.token_index)
+            .view(items, width, num_kv_heads, group_size, head_dim)
             .permute(2, 0, 1, 3, 4)
-            .reshape(num_kv_heads, group.num_sequences, per_sequence * group_size, head_dim)
+            .reshape(num_kv_heads, items, width * group_size, head_dim)
         )
-        merged = _merge_splits(rows, group, key[tokens], value[tokens], k_flat, v_flat, scale)
-        out[tokens] = (
-            merged.view(num_kv_heads, group.num_sequences, per_sequence, group_size, head_dim)
+        merged = _merge_splits(rows, group, k_flat, v_flat, scale)
+        merged = (
+            merged.view(num_kv_heads, items, width, group_size, head_dim)
             .permute(1, 2, 0, 3, 4)
-            .reshape(group.query_len, num_heads * head_dim)
+            .reshape(items * width, num_heads * head_dim)
         )
+        out.index_copy_(0, group.live_tokens, merged.index_select(0, group.live_rows))
     return out
 
 
-def _merge_splits(rows, group: SplitGroup, new_keys, new_values, k_flat, v_flat, scale):
+def _merge_splits(rows, group: SplitGroup, k_flat, v_flat, scale):
     """Online softmax over the splits, in position order, in float32. `rows` is
-    [KV heads, sequences, rows, D]; the result has its shape.
+    [KV heads, items, rows, D]; the result has its shape.
 
-    Every row sees the first split (key 0 is visible to every query), which sets the running
-    maximum, total and output; each later split is merged into the rows that reach it."""
+    The first split sets the running maximum, total and output (a padding row, which sees no
+    key, ends as NaN and is dropped); each later split is merged into the rows that reach it."""
     best = total = acc = None
-    for split, (slots, mask, first_row, seen) in enumerate(
-        zip(group.slots, group.masks, group.first_rows, group.seen, strict=True)
+    for slots, mask, first_row, seen in zip(
+        group.slots, group.masks, group.first_rows, group.seen, strict=True
     ):
-        keys, values = _split_keys(split, slots, new_keys, new_values, k_flat, v_flat)
+        keys, values = _split_keys(slots, k_flat, v_flat)
         attending = rows[:, :, first_row:]
-        scores = batched_matmul(attending, keys.transpose(-1, -2)).float()
-        scores.mul_(scale).add_(mask)
+        # mask + scale * scores in one pass: the mask is 0 or -inf, so whether the kernel
+        # fuses the multiply-add or not, a visible score is round(scale * score) either way.
+        scores = torch.add(mask, batched_matmul(attending, keys.transpose(-1, -2)), alpha=scale)
         split_best = scores.amax(-1)
         shift = split_best
         if seen is not None:
-            # A decode row that sees none of the split's keys (its sequence ends before it) has
+            # A row that sees none of the split's keys (its sequence ends before it) has
             # split_best -inf: it is shifted by 0 instead (probabilities 0, not NaN), gets
             # weight 0 and rescale 1, and leaves the merge exactly as it was.
             shift = torch.where(seen, split_best, 0.0)
@@ -200,26 +229,13 @@ def _merge_splits(rows, group: SplitGroup, new_keys, new_values, k_flat, v_flat,
     return acc.div_(total.unsqueeze(-1)).to(rows.dtype)
 
 
-def _split_keys(split, slots, new_keys, new_values, k_flat, v_flat):
-    """Keys and values of one split, contiguous [KV heads, sequences, KEY_SPLIT, D]: every
-    split reaches the matmuls in this one layout."""
-    if slots is None:
-        start = split * KEY_SPLIT
-        keys = new_keys[start : start + KEY_SPLIT]
-        values = new_values[start : start + KEY_SPLIT]
-        if keys.shape[0] < KEY_SPLIT:
-            pad = KEY_SPLIT - keys.shape[0]
-            keys = torch.cat([keys, keys.new_zeros(pad, *keys.shape[1:])])
-            values = torch.cat([values, values.new_zeros(pad, *values.shape[1:])])
-        return (
-            keys.transpose(0, 1).contiguous().unsqueeze(1),
-            values.transpose(0, 1).contiguous().unsqueeze(1),
-        )
+def _split_keys(slots: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor):
+    """Keys and values of one split, contiguous [KV heads, items, KEY_SPLIT, D]: every split
+    reaches the matmuls in this one layout."""
     count, flat = slots.shape[0], slots.reshape(-1)
     # Gathered slot-major (index_select along a strided dimension is slow), then made
     # head-major in one copy each.
     keys = k_flat.index_select(0, flat).transpose(0, 1).contiguous()
     values = v_flat.index_select(0, flat).transpose(0, 1).contiguous()
-    return keys.view(keys.shape[0], count, KEY_SPLIT, -1), values.view(
-        values.shape[0], count, KEY_SPLIT, -1
-    )
+    shape = (keys.shape[0], count, KEY_SPLIT, keys.shape[-1])
+    return keys.view(shape), values.view(shape)
