@@ -41,7 +41,7 @@ import torch
 
 from kernels.batch_invariance import batched_matmul
 
-KEY_SPLIT = 128
+KEY_SPLIT = 256
 
 
 # A prefill of up to this many new tokens is batched with the other short ones.
@@ -58,6 +58,9 @@ class SplitGroup:
     live_rows: torch.Tensor  # which of those are real tokens, not padding
     live_tokens: torch.Tensor  # the step's tokens they are, in the same order
     tokens_per_item: int
+    # The step's tokens as one slice when the group's rows are exactly them, in order (the
+    # decodes, a long prefill): then no gather or scatter is needed.
+    token_slice: slice | None
     # Per split: the cache slots of its keys [items, KEY_SPLIT], the additive mask
     # [1, items, rows, KEY_SPLIT] over the rows from the first that reaches it, that row, and
     # which rows see any of its keys [1, items, rows] (None: all do).
@@ -134,11 +137,17 @@ def _group(batch, members: list[int], starts: list[int], group_size: int, block_
         first_rows.append(first_row)
         split_slots.append(slots[:, start : start + KEY_SPLIT].to(device))
     flat_live = live.reshape(-1)
+    flat_tokens = token_index.reshape(-1)
+    first = int(flat_tokens[0])
+    contiguous = bool(flat_live.all()) and torch.equal(
+        flat_tokens, torch.arange(first, first + flat_tokens.shape[0])
+    )
     return SplitGroup(
         token_index=token_index.reshape(-1).to(device),
         live_rows=flat_live.nonzero().squeeze(1).to(device),
         live_tokens=token_index.reshape(-1)[flat_live].to(device),
         tokens_per_item=width,
+        token_slice=slice(first, first + flat_tokens.shape[0]) if contiguous else None,
         slots=split_slots,
         masks=masks,
         first_rows=first_rows,
@@ -174,9 +183,13 @@ def paged_attention_invariant_torch(
         width = group.tokens_per_item
         # [KV heads, items, rows, D]: the keys are gathered in the same order, so each
         # (head, item) is one bmm item.
+        own = (
+            query[group.token_slice]
+            if group.token_slice is not None
+            else query.index_select(0, group.token_index)
+        )
         rows = (
-            query.index_select(0, group.token_index)
-            .view(items, width, num_kv_heads, group_size, head_dim)
+            own.reshape(items, width, num_kv_heads, group_size, head_dim)
             .permute(2, 0, 1, 3, 4)
             .reshape(num_kv_heads, items, width * group_size, head_dim)
         )
@@ -186,7 +199,10 @@ def paged_attention_invariant_torch(
             .permute(1, 2, 0, 3, 4)
             .reshape(items * width, num_heads * head_dim)
         )
-        out.index_copy_(0, group.live_tokens, merged.index_select(0, group.live_rows))
+        if group.token_slice is not None:
+            out[group.token_slice] = merged
+        else:
+            out.index_copy_(0, group.live_tokens, merged.index_select(0, group.live_rows))
     return out
 
 
@@ -223,8 +239,9 @@ def _merge_splits(rows, group: SplitGroup, k_flat, v_flat, scale):
         new_best = torch.maximum(old_best, split_best)
         keep = torch.exp(old_best - new_best)
         weight = torch.exp(split_best - new_best)
-        total[live] = total[live] * keep + weight * split_total
-        acc[live] = acc[live] * keep.unsqueeze(-1) + weight.unsqueeze(-1) * split_out
+        # In place, in the rows that reach the split; the same roundings as out of place.
+        total[live].mul_(keep).add_(weight * split_total)
+        acc[live].mul_(keep.unsqueeze(-1)).add_(weight.unsqueeze(-1) * split_out)
         best[live] = new_best
     return acc.div_(total.unsqueeze(-1)).to(rows.dtype)
 

@@ -60,15 +60,24 @@ def _alone(llm, prompts, params):
     return [llm.generate([p], [sp])[0] for p, sp in zip(prompts, params, strict=True)]
 
 
-def _scenarios(model_dir: str, dtype: str, prompts, params, kv_blocks: int | None = 48) -> dict:
+def _scenarios(
+    model_dir: str,
+    dtype: str,
+    prompts,
+    params,
+    kv_blocks: int | None = 48,
+    deterministic: bool = True,
+) -> dict:
     """Every way the same requests are run: name -> answers, in prompt order (`kv_blocks`: a
     cache too small for all of them at once, so that some are preempted and recomputed; None:
     no preemption run)."""
     runs = {}
-    alone = LLM(model_dir, dtype=dtype, deterministic=True, enable_prefix_caching=False)
+    alone = LLM(model_dir, dtype=dtype, deterministic=deterministic, enable_prefix_caching=False)
     runs["alone"] = _answers(_alone(alone, prompts, params))
     for budget in (64, 512, 2048):
-        llm = LLM(model_dir, dtype=dtype, deterministic=True, max_num_batched_tokens=budget)
+        llm = LLM(
+            model_dir, dtype=dtype, deterministic=deterministic, max_num_batched_tokens=budget
+        )
         order = list(range(len(prompts)))
         random.Random(budget).shuffle(order)
         shuffled = llm.generate([prompts[i] for i in order], [params[i] for i in order])
@@ -81,10 +90,10 @@ def _scenarios(model_dir: str, dtype: str, prompts, params, kv_blocks: int | Non
             runs["warm cache, together"] = _answers(warm)
             runs["warm cache, alone"] = _answers(_alone(llm, prompts, params))
     if kv_blocks is not None:
-        tight = LLM(model_dir, dtype=dtype, deterministic=True, num_kv_blocks=kv_blocks)
+        tight = LLM(model_dir, dtype=dtype, deterministic=deterministic, num_kv_blocks=kv_blocks)
         runs["preemption"] = _answers(tight.generate(prompts, params))
         assert tight.engine.scheduler.num_preemptions > 0
-    one_thread = LLM(model_dir, dtype=dtype, deterministic=True, cpu_threads=1)
+    one_thread = LLM(model_dir, dtype=dtype, deterministic=deterministic, cpu_threads=1)
     runs["one thread, together"] = _answers(one_thread.generate(prompts, params))
     return runs
 
@@ -143,3 +152,26 @@ def test_mla_models_are_refused_in_deterministic_mode(tmp_path):
     model_dir = build_tiny_model(tmp_path / "mla", "deepseek-v3")
     with pytest.raises(ValueError, match="MLA"):
         LLM(str(model_dir), dtype="bfloat16", deterministic=True)
+
+
+def test_default_mode_may_drift_but_only_this_far(tiny_llama_dir):
+    """Default mode promises nothing bitwise: the same greedy requests in the same scenarios
+    may get other logprobs and, after a near tie, other tokens. Measured on this tiny model in
+    bf16 (2026-12-07): up to 0.017 nats on the tokens both runs share, 1 to 2 of 11 answers
+    diverging after their fourth token. Stated here with margin: at most 0.05 nats while the
+    tokens agree, and at least 8 of 11 answers token-identical in every scenario."""
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(str(tiny_llama_dir)).vocab_size
+    prompts = _prompts(vocab, LENGTHS)
+    runs = _scenarios(str(tiny_llama_dir), "bfloat16", prompts, _params(False), deterministic=False)
+    baseline = runs["alone"]
+    for name, answers in runs.items():
+        identical = 0
+        for (tokens, logprobs), (want_tokens, want_logprobs) in zip(answers, baseline, strict=True):
+            identical += tokens == want_tokens
+            for index, (token, want) in enumerate(zip(tokens, want_tokens, strict=True)):
+                if token != want:
+                    break
+                assert abs(logprobs[index][1] - want_logprobs[index][1]) <= 0.05, name
+        assert identical >= 8, f"{name}: {identical} of {len(answers)} token-identical"
