@@ -102,8 +102,7 @@ class ModelRunner:
         self.device = torch.device(config.rank_device(self.parallel.rank))
         if config.deterministic and model_config.mla is not None:
             raise ValueError("deterministic mode does not cover MLA attention yet")
-        # Packing reads the mode too: batch-invariant float32 weights are packed for oneDNN.
-        with torch.inference_mode(), ops.batch_invariant(config.deterministic):
+        with torch.inference_mode():
             self.model = DecoderModel(
                 model_config, config.torch_dtype, max_model_len, self.parallel
             )
