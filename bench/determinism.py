@@ -1,13 +1,14 @@
 """Deterministic mode against default mode on the default model (issue 30), in one run.
 
 Mismatches: greedy requests with logprobs (prompts of 40 to 2,300 tokens, half sharing an
-800-token system prompt) run alone, then together in shuffled order with chunk budgets 512 and
-2048, then again with their prompts in the prefix cache; each request's tokens and logprobs are
-compared bitwise with its alone run, in each mode. Cost: decode throughput at 1 and 32 streams
+800-token system prompt) run alone, then together in shuffled order with chunk budgets 64, 512
+and 2048, each followed by a run with their prompts in the prefix cache; each request's tokens
+and logprobs are compared bitwise with its alone run, in each mode (6 comparisons a prompt: the
+default 34 prompts make 204). Cost: decode throughput at 1 and 32 streams
 and the cold prefill of a 2,300-token prompt, each mode in the same run (the median of
 `--rounds` rounds, the two modes taking turns).
 
-    .venv/bin/python bench/determinism.py [--dtype bfloat16] [--prompts 16]
+    .venv/bin/python bench/determinism.py [--dtype bfloat16] [--prompts 34] [--rounds 3]
 
 Run it with nothing else busy on the machine. The last line is JSON, also written to
 bench/results/determinism.json.
@@ -54,7 +55,7 @@ def mismatches(dtype: str, deterministic: bool, prompts) -> tuple[int, int]:
     alone = answers([alone_llm.generate([p], params)[0] for p in prompts])
     del alone_llm
     differ = compared = 0
-    for budget in (512, 2048):
+    for budget in (64, 512, 2048):
         llm = LLM(dtype=dtype, deterministic=deterministic, max_num_batched_tokens=budget)
         order = list(range(len(prompts)))
         random.Random(budget).shuffle(order)
@@ -106,7 +107,7 @@ def throughput(dtype: str, vocab: int, rounds: int) -> dict[str, dict[str, float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompts", type=int, default=34)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "determinism.json")
     args = parser.parse_args()
