@@ -55,6 +55,16 @@ def is_batch_invariant() -> bool:
     return _BATCH_INVARIANT.get()
 
 
+def one_row_as_two(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """`fn(x)`, except that in batch-invariant mode a single row goes through `fn` as two:
+    oneDNN runs one row through another kernel than two or more, and on real weights it rounds
+    an element differently now and then (SmolLM2's down_proj of layer 18: one of 576 outputs,
+    by 2e-6), so a row's result would depend on whether it was alone in its call."""
+    if x.shape[0] == 1 and is_batch_invariant():
+        return fn(x.expand(2, -1))[:1]
+    return fn(x)
+
+
 def batched_matmul(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     """[..., M, K] @ [..., K, N] as one `torch.bmm` over the flattened leading dimensions, the
     left operand contiguous: `torch.matmul` takes another path for a leading dimension of 1,

@@ -32,6 +32,7 @@ T*top_k pairs, tiny beside the expert GEMMs, written to avoid host syncs on CUDA
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,7 @@ import triton
 import triton.language as tl
 
 from kernels.activation import ACTIVATIONS, activate
-from kernels.batch_invariance import is_batch_invariant
+from kernels.batch_invariance import one_row_as_two
 
 # The gated activations a MoE expert may use (codes from kernels.activation).
 _MOE_ACTIVATIONS = ("silu", "gelu")
@@ -77,15 +78,6 @@ def _gated_activation_torch(gate_up: torch.Tensor, activation: str) -> torch.Ten
     gate, up = gate_up.chunk(2, dim=-1)
     activated = F.silu(gate) if activation == "silu" else F.gelu(gate)
     return activated.mul_(up)
-
-
-def _expert_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T. In batch-invariant mode a lone row goes as two: oneDNN runs one row through
-    another kernel, which now and then rounds differently (kernels/linear.py), and an expert's
-    output for a token must not depend on how many other tokens chose it."""
-    if x.shape[0] == 1 and is_batch_invariant():
-        return (x.expand(2, -1) @ weight.t())[:1]
-    return x @ weight.t()
 
 
 def fused_moe_torch(
@@ -129,8 +121,12 @@ def fused_moe_torch(
             continue
         tokens = token_of_sorted_pair[start : start + count]
         x = hidden_states.index_select(0, tokens)
-        intermediate = _gated_activation_torch(_expert_matmul(x, w13[expert]), activation)
-        expert_out = _expert_matmul(intermediate, w2[expert]).to(accumulator.dtype)
+        intermediate = _gated_activation_torch(
+            one_row_as_two(partial(torch.mm, mat2=w13[expert].t()), x), activation
+        )
+        # A lone token of an expert goes as two rows in batch-invariant mode (kernels/linear.py).
+        expert_out = one_row_as_two(partial(torch.mm, mat2=w2[expert].t()), intermediate)
+        expert_out = expert_out.to(accumulator.dtype)
         expert_out.mul_(weight_of_sorted_pair[start : start + count, None])
         accumulator.index_add_(0, tokens, expert_out)
         start += count

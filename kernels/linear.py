@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.batch_invariance import is_batch_invariant
+from kernels.batch_invariance import is_batch_invariant, one_row_as_two
 
 # Batch size oneDNN tunes the packed layout for; any batch size runs with it.
 _PACK_BATCH_HINT = 32
@@ -111,16 +111,7 @@ def linear_torch(
             return out if bias is None else out + bias
         weight = weight.dense
     if weight.is_mkldnn:
-        if x.shape[0] == 1 and is_batch_invariant():
-            # oneDNN runs one row through another kernel than two or more, and on real
-            # weights it rounds an element differently now and then (SmolLM2's down_proj of
-            # layer 18: one of 576 outputs, by 2e-6); batch-invariant mode never sends one row.
-            return _linear_onednn(x.expand(2, -1), weight, bias)[:1]
-        return _linear_onednn(x, weight, bias)
+        return one_row_as_two(
+            lambda rows: torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], ""), x
+        )
     return F.linear(x, weight, bias)
-
-
-def _linear_onednn(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
