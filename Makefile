@@ -5,9 +5,9 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup system-packages run chat test lint bench clean
+.PHONY: setup system-packages native-kernels run chat test lint bench clean
 
-setup: system-packages $(STAMP)
+setup: system-packages $(STAMP) native-kernels
 
 # Debian packages (Chromium for the browser tests, the Mooncake Transfer Engine's libraries):
 # installed with apt-get when missing and root, otherwise the command to run is printed.
@@ -26,6 +26,11 @@ $(STAMP): pyproject.toml
 	# Hugging Face's `kernels` (left by transformers 5.25+) shares our package's import name.
 	$(PIP) uninstall -q -y kernels 2>/dev/null || true
 	touch $(STAMP)
+
+# The C++ kernels (kernels/csrc/) compile once into torch's extensions cache, so no test or first
+# request pays for it; where they can't be built the reason is printed and setup goes on.
+native-kernels: $(STAMP)
+	$(PY) -c "from kernels import fixed_order_matmul as m; print(m.available() or 'kernels/csrc built')"
 
 # Embedded mode: SQLite under .hearth/, in-process worker and node, no other services.
 HOST ?= 127.0.0.1

@@ -23,7 +23,7 @@ from kernels.attention import (
     store_kvcache_torch,
     store_kvcache_triton,
 )
-from kernels.batch_invariance import batch_invariant, is_batch_invariant
+from kernels.batch_invariance import batch_invariant, is_batch_invariant, sigmoid
 from kernels.fused_moe import fused_moe_torch, fused_moe_triton
 from kernels.invariant_attention import paged_attention_invariant_torch
 from kernels.linear import Int4Weight, linear_torch, pack_linear_weight
@@ -58,6 +58,7 @@ __all__ = [
     "rotary",
     "rotary_cos_sin",
     "select_experts",
+    "sigmoid",
     "silu_and_mul",
     "store_kvcache",
     "store_latent",

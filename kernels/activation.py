@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.batch_invariance import silu
 from kernels.rounding import round_to
 
 # Triton kernels take the activation as a constexpr code (0 is left for "none").
@@ -19,9 +20,10 @@ ACTIVATIONS = {"silu": 1, "gelu": 2, "gelu_tanh": 3}
 
 
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU: silu(gate) * up, where x = [gate | up]."""
+    """SwiGLU: silu(gate) * up, where x = [gate | up] (in batch-invariant mode the SiLU of
+    `kernels.batch_invariance.silu`)."""
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate).mul_(up)
+    return silu(gate).mul_(up)
 
 
 def gelu_and_mul_torch(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:

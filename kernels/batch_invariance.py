@@ -13,10 +13,11 @@ weights torch's BLAS would run) take the paths whose order is fixed per row:
   checks it on the machine at hand).
 
 It holds for a dtype whose matmuls keep a row's bits (`matmul_rows_keep_their_bits`): bfloat16
-on a CPU with native bf16. float32 goes through torch's BLAS, which picks its kernel by shape
-(a one-row call sums differently from a two-row one); oneDNN's packed float32 linear would be
-invariant, but the attention's matmuls over the cache have no packed form, so the engine
-refuses deterministic mode for such a dtype rather than promise what it can't keep.
+on a CPU with native bf16 (oneDNN), and float32, whose linears are packed for oneDNN in this mode
+and whose attention matmuls run `kernels.fixed_order_matmul` (torch's BLAS picks its float32
+kernel by shape, batch count and threads). Where the fixed-order kernels can't be built (no
+compiler), float32 fails the check and the engine refuses the mode rather than promise what it
+can't keep.
 
 The mode is a context variable, so the engine sets it around its own forward and a process can
 hold engines in both modes. `probe_row_invariance` is the record of which of torch's paths keep
@@ -32,6 +33,8 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+
+from kernels import fixed_order_matmul
 
 _BATCH_INVARIANT = contextvars.ContextVar("hearth_batch_invariant", default=False)
 
@@ -65,34 +68,78 @@ def one_row_as_two(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) 
     return fn(x)
 
 
+# torch's sigmoid and SiLU kernels run most elements through vector code (Sleef) and a few
+# through scalar code, which rounds differently now and then: the last few of each run, and a
+# thread's run starts wherever the split falls. Which elements those are depends on the tensor's
+# size, so a row's bits would depend on the step (measured: a shared-expert gate [T, 1], an
+# expert's SiLU over more tokens than one thread takes). torch's exp runs every element through
+# the vector code, tail included, and +, / and reciprocal round exactly: so these two.
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """torch.sigmoid; in batch-invariant mode 1 / (1 + exp(-x)) in float32, which gives an
+    element the same bits wherever it lies in the tensor."""
+    if not is_batch_invariant():
+        return torch.sigmoid(x)
+    return torch.reciprocal(torch.exp(-x.float()).add_(1)).to(x.dtype)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """F.silu; in batch-invariant mode x / (1 + exp(-x)) in float32 (see `sigmoid`)."""
+    if not is_batch_invariant():
+        return F.silu(x)
+    x32 = x.float()
+    return (x32 / torch.exp(-x32).add_(1)).to(x.dtype)
+
+
 def batched_matmul(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    """[..., M, K] @ [..., K, N] as one `torch.bmm` over the flattened leading dimensions, the
-    left operand contiguous: `torch.matmul` takes another path for a leading dimension of 1,
-    and a BLAS may pick another kernel for another layout. The caller gives `right` in one
+    """[..., M, K] @ [..., K, N] as one batched matmul over the flattened leading dimensions,
+    the left operand contiguous: `torch.matmul` takes another path for a leading dimension of
+    1, and a BLAS may pick another kernel for another layout. The caller gives `right` in one
     layout every time (the attention: keys transposed, values as they are, both from
-    contiguous [..., keys, D])."""
+    contiguous [..., keys, D]). float32 runs the fixed-order kernels
+    (`kernels.fixed_order_matmul`), other dtypes `torch.bmm`."""
     batch = left.shape[:-2]
     left = left.reshape(-1, *left.shape[-2:]).contiguous()
-    out = torch.bmm(left, right.reshape(-1, *right.shape[-2:]))
+    right = right.reshape(-1, *right.shape[-2:])
+    if left.dtype != torch.float32:
+        out = torch.bmm(left, right)
+    elif right.transpose(1, 2).is_contiguous():
+        out = fixed_order_matmul.dot_nt(left, right.transpose(1, 2))
+    else:
+        out = fixed_order_matmul.dot_nn(left, right)
     return out.view(*batch, *out.shape[-2:])
+
+
+def matmul_nt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ weight [N, K]^T with torch's matmul; in batch-invariant mode a row's bits do not
+    depend on T (float32: the fixed-order kernel; other dtypes: oneDNN, a lone row as two)."""
+    if is_batch_invariant() and x.dtype == torch.float32:
+        return fixed_order_matmul.dot_nt(x.unsqueeze(0), weight.unsqueeze(0))[0]
+    return one_row_as_two(functools.partial(torch.mm, mat2=weight.t()), x)
 
 
 @functools.cache
 def matmul_rows_keep_their_bits(dtype: torch.dtype) -> bool:
-    """Whether torch's batched matmul gives a row the same bits whatever the number of rows in
-    its call, on this CPU, at 1 and 2 threads (bfloat16 through oneDNN: yes here; float32
-    through the BLAS: no, it picks its kernel by shape)."""
+    """Whether the attention's batched matmul (`batched_matmul`) gives a row the same bits
+    whatever the number of rows and items in its call, on this CPU, at 1 and 2 threads
+    (bfloat16 through oneDNN: yes on a CPU with native bf16; float32 through the fixed-order
+    kernels: yes, where they could be built)."""
+    if dtype == torch.float32 and fixed_order_matmul.available() is not None:
+        return False
     generator = torch.Generator().manual_seed(0)
-    keys = torch.randn(1, 3, 256, 64, generator=generator).to(dtype).transpose(-1, -2)
-    rows = torch.randn(1, 3, 700, 64, generator=generator).to(dtype)
+    keys = torch.randn(3, 3, 256, 64, generator=generator).to(dtype).transpose(-1, -2)
+    rows = torch.randn(3, 3, 700, 64, generator=generator).to(dtype)
     threads = torch.get_num_threads()
     try:
         for count in sorted({1, min(2, threads), threads}):
             torch.set_num_threads(count)
-            alone = batched_matmul(rows[:, :, :3], keys)
-            for length in (4, 16, 100, 700):
-                if not torch.equal(batched_matmul(rows[:, :, :length], keys)[:, :, :3], alone):
-                    return False
+            alone = batched_matmul(rows[:1, :, :3], keys[:1])
+            for items in (1, 3):
+                for length in (4, 16, 100, 700):
+                    together = batched_matmul(rows[:items, :, :length], keys[:items])
+                    if not torch.equal(together[:1, :, :3], alone):
+                        return False
     finally:
         torch.set_num_threads(threads)
     return True

@@ -32,7 +32,6 @@ T*top_k pairs, tiny beside the expert GEMMs, written to avoid host syncs on CUDA
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +39,7 @@ import triton
 import triton.language as tl
 
 from kernels.activation import ACTIVATIONS, activate
-from kernels.batch_invariance import one_row_as_two
+from kernels.batch_invariance import matmul_nt, silu
 
 # The gated activations a MoE expert may use (codes from kernels.activation).
 _MOE_ACTIVATIONS = ("silu", "gelu")
@@ -76,7 +75,7 @@ def _check_moe_shapes(
 
 def _gated_activation_torch(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
-    activated = F.silu(gate) if activation == "silu" else F.gelu(gate)
+    activated = silu(gate) if activation == "silu" else F.gelu(gate)
     return activated.mul_(up)
 
 
@@ -121,11 +120,10 @@ def fused_moe_torch(
             continue
         tokens = token_of_sorted_pair[start : start + count]
         x = hidden_states.index_select(0, tokens)
-        intermediate = _gated_activation_torch(
-            one_row_as_two(partial(torch.mm, mat2=w13[expert].t()), x), activation
-        )
-        # A lone token of an expert goes as two rows in batch-invariant mode (kernels/linear.py).
-        expert_out = one_row_as_two(partial(torch.mm, mat2=w2[expert].t()), intermediate)
+        intermediate = _gated_activation_torch(matmul_nt(x, w13[expert]), activation)
+        # In batch-invariant mode an expert's rows keep their bits however many tokens chose it
+        # (kernels.batch_invariance.matmul_nt).
+        expert_out = matmul_nt(intermediate, w2[expert])
         expert_out = expert_out.to(accumulator.dtype)
         expert_out.mul_(weight_of_sorted_pair[start : start + count, None])
         accumulator.index_add_(0, tokens, expert_out)

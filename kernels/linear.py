@@ -1,7 +1,9 @@
 """Dense projection y = x W^T + b, the weight layouts it runs fastest from, and int4 weights.
 
-On the CPU, a bfloat16 weight is reordered once into oneDNN's blocked layout
-(`pack_linear_weight`): an unpacked bf16 weight is re-laid-out on every call.
+On the CPU, a bfloat16 or float32 weight is reordered once into oneDNN's blocked layout
+(`pack_linear_weight`): an unpacked bf16 weight is re-laid-out on every call, and oneDNN's packed
+float32 kernels beat torch's BLAS on the engine's shapes (docs/performance.md, issue 28) and keep
+a row's bits in any batch, which the BLAS does not (kernels.batch_invariance).
 
 Decoding one sequence reads every weight once per token, so its speed is the memory bandwidth
 divided by the weight bytes. `Int4Weight` holds a weight quantized to 4 bits in groups of 32 along
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.batch_invariance import is_batch_invariant, one_row_as_two
+from kernels.batch_invariance import is_batch_invariant, matmul_nt, one_row_as_two
 
 # Batch size oneDNN tunes the packed layout for; any batch size runs with it.
 _PACK_BATCH_HINT = 32
@@ -27,11 +29,10 @@ INT4_GROUP_SIZE = 32
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The layout `linear` should be given `weight` in: packed for bf16 on a oneDNN CPU."""
-    if weight.dtype == torch.bfloat16:
-        packed = pack_linear_weight_for_onednn(weight)
-        return weight if packed is None else packed
-    return weight
+    """The layout `linear` should be given `weight` in: packed for oneDNN on a CPU that has it
+    (bf16 and float32), else as it is."""
+    packed = pack_linear_weight_for_onednn(weight)
+    return weight if packed is None else packed
 
 
 def pack_linear_weight_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
@@ -114,4 +115,8 @@ def linear_torch(
         return one_row_as_two(
             lambda rows: torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], ""), x
         )
+    if is_batch_invariant() and weight.dtype == torch.float32:
+        # A float32 weight left unpacked (a CPU without oneDNN): slower, still row-invariant.
+        out = matmul_nt(x, weight)
+        return out if bias is None else out + bias
     return F.linear(x, weight, bias)

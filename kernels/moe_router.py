@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.batch_invariance import sigmoid
+
 _SCORINGS = ("softmax", "sigmoid")
 
 
@@ -82,7 +84,7 @@ def select_experts_torch(
     """
     _check_routing(router_logits.shape[-1], top_k, scoring, num_expert_group, topk_group)
     logits = router_logits.float()
-    scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else logits.sigmoid()
+    scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else sigmoid(logits)
 
     choice_scores = scores if correction_bias is None else scores + correction_bias.float()
     if num_expert_group is not None:

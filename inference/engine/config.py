@@ -9,6 +9,7 @@ import torch
 
 from inference.distributed.parallel import Parallel
 from inference.engine.cpu_dtype import preferred_dtype
+from kernels import fixed_order_matmul
 from kernels.batch_invariance import matmul_rows_keep_their_bits
 
 _DTYPES = {
@@ -120,10 +121,14 @@ class EngineConfig:
         if self.tensor_parallel > 1:
             raise ValueError("deterministic mode serves from one device for now: tensor_parallel 1")
         if not matmul_rows_keep_their_bits(self.torch_dtype):
+            why = ""
+            if self.torch_dtype == torch.float32:
+                why = f" ({fixed_order_matmul.available() or 'its fixed-order kernels differ'})"
             raise ValueError(
                 f"deterministic mode needs a dtype whose matmuls give a row the same bits in any "
-                f"batch on this CPU; {self.dtype} does not here (bfloat16 does on CPUs with native "
-                "bf16: docs/determinism.md)"
+                f"batch on this CPU; {self.dtype} does not here{why} (bfloat16 does on CPUs "
+                "with native bf16, float32 where kernels/fixed_order_matmul.py builds: "
+                "docs/determinism.md)"
             )
 
     @property

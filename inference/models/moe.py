@@ -94,7 +94,7 @@ class SparseMoE:
         if self.shared is not None:
             shared = self.shared.partial_forward(hidden)
             if self.shared_gate is not None:
-                shared = torch.sigmoid(ops.linear(hidden, self.shared_gate)) * shared
+                shared = ops.sigmoid(ops.linear(hidden, self.shared_gate)) * shared
             out = out + shared
         # Dispatched, `out` is already whole: each token's experts' outputs came back to it.
         return out if dispatch else self.parallel.all_reduce(out)

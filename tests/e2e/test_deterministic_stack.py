@@ -95,7 +95,8 @@ def test_the_same_request_gets_the_same_answer_however_it_is_sent(stack, tiny_ll
     import openai
 
     model = priced_model(f"tiny-det-{os.getpid()}", str(tiny_llama_dir), 1024)
-    stack.start_node(model.id, "node-det", "--deterministic", "--dtype", "bfloat16")
+    # dtype "auto": bfloat16 where the CPU has native bf16, float32 elsewhere.
+    stack.start_node(model.id, "node-det", "--deterministic")
     stack.wait_ready(model.id, nodes=1, api_key=acme_key)
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=acme_key, max_retries=0)
     requests = _requests(model.id)

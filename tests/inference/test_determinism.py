@@ -1,18 +1,17 @@
 """Deterministic mode: a greedy or seeded request gets bitwise the same tokens and logprobs
 whatever shares its steps, however its prefill is chunked, whether its prompt came from the
 prefix cache, after preemption, and at any thread count. Tiny random models of every family the
-engine serves in deterministic mode (MLA is refused), in bfloat16 (float32 is refused where its
-matmuls change with the batch, as on this CPU)."""
+engine serves in deterministic mode (MLA is refused), in bfloat16 and float32; the default model
+in the dtype this CPU serves it in (`dtype="auto"`: bfloat16 with native bf16, else float32)."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-import torch
 
 from inference.engine import LLM, EngineConfig, SamplingParams
-from kernels.batch_invariance import matmul_rows_keep_their_bits
+from inference.engine.cpu_dtype import preferred_dtype
 from tests.inference.tiny_models import build_tiny_model
 
 MAX_NEW = 12
@@ -110,19 +109,21 @@ def family_dir(request, tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp(f"det-{request.param}"), request.param)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
-def test_tiny_models_answer_bitwise_the_same_in_every_scenario(family_dir, seeded):
+def test_tiny_models_answer_bitwise_the_same_in_every_scenario(family_dir, seeded, dtype):
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(str(family_dir)).vocab_size
     prompts = _prompts(vocab, LENGTHS)
-    _assert_all_equal(_scenarios(str(family_dir), "bfloat16", prompts, _params(seeded)), prompts)
+    _assert_all_equal(_scenarios(str(family_dir), dtype, prompts, _params(seeded)), prompts)
 
 
 def test_the_default_model_answers_bitwise_the_same_in_every_scenario():
-    """SmolLM2 in bfloat16: prompts up to 2,100 tokens (crossing 256 and 1,024 rows in one
-    step), half sharing a 900-token prefix, greedy with logprobs. (Preemption is covered on the
-    tiny models: with these four prompts the scheduler never admits more than fits.)"""
+    """SmolLM2 in the dtype this CPU serves it in: prompts up to 2,100 tokens (crossing 256 and
+    1,024 rows in one step), half sharing a 900-token prefix, greedy with logprobs. (Preemption
+    is covered on the tiny models: with these four prompts the scheduler never admits more than
+    fits.)"""
     lengths = [5, 300, 1100, 2100]
     rng = random.Random(11)
     shared = [rng.randrange(100, 49000) for _ in range(900)]
@@ -135,17 +136,8 @@ def test_the_default_model_answers_bitwise_the_same_in_every_scenario():
     params = [
         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=True) for _ in prompts
     ]
-    runs = _scenarios(EngineConfig.model, "bfloat16", prompts, params, kv_blocks=None)
+    runs = _scenarios(EngineConfig.model, preferred_dtype(), prompts, params, kv_blocks=None)
     _assert_all_equal(runs, prompts)
-
-
-def test_float32_is_refused_where_its_matmuls_change_with_the_batch(tiny_llama_dir):
-    """torch's float32 BLAS sums a row differently for one row and for two on this CPU
-    (kernels.batch_invariance); the engine says so instead of serving a broken promise."""
-    if matmul_rows_keep_their_bits(torch.float32):
-        pytest.skip("this CPU's float32 matmuls keep a row's bits: float32 is allowed here")
-    with pytest.raises(ValueError, match="deterministic mode needs a dtype"):
-        LLM(str(tiny_llama_dir), dtype="float32", deterministic=True)
 
 
 def test_mla_models_are_refused_in_deterministic_mode(tmp_path):
