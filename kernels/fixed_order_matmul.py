@@ -49,7 +49,9 @@ def _module():
     if shutil.which("ninja") is None and (beside / "ninja").exists():
         os.environ["PATH"] = f"{beside}{os.pathsep}{os.environ.get('PATH', '')}"
     capability = torch.backends.cpu.get_cpu_capability()
-    flags = ["-O3", *_FLAGS.get(capability, [])]
+    # No fused multiply-add contraction: every code path the compiler makes (vector body,
+    # scalar remainder) then multiplies and adds with the same two roundings.
+    flags = ["-O3", "-ffp-contract=off", *_FLAGS.get(capability, [])]
     try:
         return load(
             name=f"hearth_fixed_order_matmul_{capability.lower()}",
