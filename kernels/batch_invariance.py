@@ -5,17 +5,19 @@ rows share the call (a BLAS picks its kernel by shape), and in bfloat16 a differ
 change a token. Under `batch_invariant()` the ops that could (`attention`, and `linear` for
 weights torch's BLAS would run) take the paths whose order is fixed per row:
 
-- `linear`: bf16 weights are packed for oneDNN, whose kernels reduce each row in one fixed order
-  for any number of rows; int4 weights run their dequantized copy for every batch size (the
-  one-row int4 kernel sums differently).
+- `linear`: bf16 and float32 weights are packed for oneDNN, whose kernels reduce each row in one
+  fixed order for any number of rows (a lone row goes as two); int4 weights run their
+  dequantized copy for every batch size (the one-row int4 kernel sums differently).
 - `attention`: `kernels.invariant_attention`, keys in fixed splits of `KEY_SPLIT` positions.
-- RMSNorm, rotary, SiLU-and-mul and log-softmax are row-wise already (`probe_row_invariance`
-  checks it on the machine at hand).
+- sigmoid and SiLU: computed from `exp` (`sigmoid`, `silu` below).
+- RMSNorm, rotary and log-softmax are row-wise already (`probe_row_invariance` checks it on the
+  machine at hand).
 
 It holds for a dtype whose matmuls keep a row's bits (`matmul_rows_keep_their_bits`): bfloat16
-on a CPU with native bf16 (oneDNN), and float32, whose linears are packed for oneDNN in this mode
-and whose attention matmuls run `kernels.fixed_order_matmul` (torch's BLAS picks its float32
-kernel by shape, batch count and threads). Where the fixed-order kernels can't be built (no
+on a CPU with native bf16 (oneDNN), and float32, whose linears are packed for oneDNN (as in every
+mode) and whose other matmuls (the attention's, the experts', a plain weight's) run
+`kernels.fixed_order_matmul` in this mode (torch's BLAS picks its float32 kernel by shape, batch
+count and threads). Where the fixed-order kernels can't be built (no
 compiler), float32 fails the check and the engine refuses the mode rather than promise what it
 can't keep.
 

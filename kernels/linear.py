@@ -116,7 +116,8 @@ def linear_torch(
             lambda rows: torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], ""), x
         )
     if is_batch_invariant() and weight.dtype == torch.float32:
-        # A float32 weight left unpacked (a CPU without oneDNN): slower, still row-invariant.
+        # A plain float32 weight (a MoE router or shared-expert gate, which stay unpacked, or a
+        # CPU without oneDNN): the fixed-order kernel, slower than oneDNN, row-invariant.
         out = matmul_nt(x, weight)
         return out if bias is None else out + bias
     return F.linear(x, weight, bias)
