@@ -47,7 +47,7 @@ def _module():
     # torch's builder runs `ninja` from PATH; the one pip installed sits beside this interpreter.
     beside = Path(sys.executable).parent
     if shutil.which("ninja") is None and (beside / "ninja").exists():
-        os.environ["PATH"] = f"{beside}{os.pathsep}{os.environ.get('PATH', '')}"
+        os.environ["PATH"] = os.pathsep.join([str(beside), *os.get_exec_path()])
     capability = torch.backends.cpu.get_cpu_capability()
     # No fused multiply-add contraction: every code path the compiler makes (vector body,
     # scalar remainder) then multiplies and adds with the same two roundings.
