@@ -11,6 +11,7 @@ import torch
 from kernels.activation import (
     gelu_and_mul_torch,
     gelu_and_mul_triton,
+    silu_and_mul_invariant,
     silu_and_mul_torch,
     silu_and_mul_triton,
 )
@@ -66,7 +67,9 @@ __all__ = [
 
 RMS_NORM = dispatch.Op("rms_norm", rms_norm_torch, rms_norm_triton)
 ROTARY = dispatch.Op("rotary", rotary_torch, rotary_triton)
-SILU_AND_MUL = dispatch.Op("silu_and_mul", silu_and_mul_torch, silu_and_mul_triton)
+SILU_AND_MUL = dispatch.Op(
+    "silu_and_mul", silu_and_mul_torch, silu_and_mul_triton, silu_and_mul_invariant
+)
 GELU_AND_MUL = dispatch.Op("gelu_and_mul", gelu_and_mul_torch, gelu_and_mul_triton)
 LINEAR = dispatch.Op("linear", linear_torch)
 STORE_KVCACHE = dispatch.Op("store_kvcache", store_kvcache_torch, store_kvcache_triton)

@@ -20,8 +20,14 @@ ACTIVATIONS = {"silu": 1, "gelu": 2, "gelu_tanh": 3}
 
 
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU: silu(gate) * up, where x = [gate | up] (in batch-invariant mode the SiLU of
-    `kernels.batch_invariance.silu`)."""
+    """SwiGLU: silu(gate) * up, where x = [gate | up]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
+def silu_and_mul_invariant(x: torch.Tensor) -> torch.Tensor:
+    """`silu_and_mul_torch` for batch-invariant mode: the SiLU from exp
+    (`kernels.batch_invariance.silu`), whose bits do not depend on where an element lies."""
     gate, up = x.chunk(2, dim=-1)
     return silu(gate).mul_(up)
 
